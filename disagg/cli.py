@@ -1,0 +1,77 @@
+"""The ``disagg`` command: ``train`` (hydra), ``ctl`` (gRPC client).
+
+``disagg train key=value ...`` composes ``configs/train.yaml`` with hydra,
+validates it into dataclasses before any actor starts (one message naming the
+key and the value on error), runs the job, and prints the run directory last.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+USAGE = """usage: disagg <command> [args]
+
+commands:
+  train [key=value ...]   run RL training (hydra overrides, e.g. trainer.total_steps=20)
+  ctl <subcommand> ...    talk to a running job's coordinator (disagg ctl status --address HOST:PORT)
+"""
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+def _train(argv: list[str]) -> int:
+    import hydra
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+
+    from disagg.config import load_config
+    from disagg.errors import ConfigError
+    from disagg.logs import setup_logging
+
+    result: dict[str, int] = {"rc": 1}
+
+    @hydra.main(config_path=str(CONFIG_DIR), config_name="train", version_base="1.3")
+    def _main(dc) -> None:
+        from disagg.train import run
+
+        setup_logging("driver", dc.logging.level if "logging" in dc else "INFO")
+        try:
+            cfg = load_config(OmegaConf.to_container(dc, resolve=True))
+            run_dir = Path(cfg.run_dir or HydraConfig.get().runtime.output_dir).resolve()
+            try:
+                run(cfg, run_dir)
+            finally:
+                import ray
+
+                ray.shutdown()
+        except ConfigError as e:
+            print(f"disagg: invalid config: {e}", file=sys.stderr)
+            result["rc"] = 2
+            return
+        result["rc"] = 0
+        print(f"run directory: {run_dir}", flush=True)
+
+    sys.argv = ["disagg train", *argv]
+    _main()
+    return result["rc"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "train":
+        return _train(rest)
+    if cmd == "ctl":
+        from disagg.control.ctl import main as ctl_main
+
+        return ctl_main(rest)
+    print(f"disagg: unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,406 @@
+"""The root config: frozen dataclasses validated once, at the entry point.
+
+Hydra composes YAML from ``configs/``; ``load_config`` turns the result into
+these dataclasses, type-checks every field and runs the cross-field checks, so
+a bad value fails before any actor starts, with one ``ConfigError`` naming the
+key and the value. Each actor then gets only its own sub-config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from disagg.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    address: str | None = None
+    """Ray address to connect to; null -> $RAY_ADDRESS, else start a local cluster."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Bundle kind: 'cuda' -> GPU bundles; 'cpu' -> CPU bundles; 'auto' -> cuda iff torch sees a GPU."""
+    num_cpus: int | None = None
+    """Logical CPUs of a local Ray cluster; null -> max(os.cpu_count(), what the pools need)."""
+    placement_timeout_s: float = 120.0
+    """How long to wait for both placement groups before failing."""
+    actor_timeout_s: float = 600.0
+    """Upper bound on any single call to a trainer or engine actor (ray.get timeout)."""
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    num_workers: int = 1
+    """Trainer processes (one bundle each); > 1 shards the model with FSDP2."""
+    total_steps: int = 200
+    """Optimizer steps (= policy versions produced) in the run."""
+    lr: float = 5e-4
+    """AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    grad_clip: float = 1.0
+    """Max global gradient norm; <= 0 disables clipping."""
+    micro_batch_size: int = 64
+    """Samples per forward/backward on one worker (gradient accumulation beyond it)."""
+    seed: int = 1
+    """Seed for the trainer's torch RNG (model init is the checkpoint's)."""
+    cpus_per_worker: int = 1
+    """CPUs in each trainer bundle."""
+    torch_threads: int = 1
+    """torch intra-op threads in each trainer worker on CPU."""
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    num_engines: int = 1
+    """vLLM engines (Ray actors) in the rollout placement group."""
+    tensor_parallel_size: int = 1
+    """Bundles (GPUs) per engine."""
+    load_format: Literal["dummy", "auto"] = "dummy"
+    """'dummy': start on random weights and serve nothing until the first sync (training).
+    'auto': load model.path's weights (standalone `disagg generate`, no trainer)."""
+    max_model_len: int = 64
+    """Engine context limit in tokens (prompt + response); longer prompts are dropped and counted."""
+    max_tokens: int = 8
+    """Max generated tokens per sample."""
+    temperature: float = 1.0
+    """Sampling temperature (the trainer scales its logits by the same value)."""
+    top_p: float = 1.0
+    """Nucleus sampling; must stay 1.0 for unbiased GRPO behaviour log-probs."""
+    gpu_memory_utilization: float = 0.15
+    """vLLM KV-cache fraction; on CPU a fraction of RAM (keep it small)."""
+    max_num_seqs: int = 256
+    """vLLM's max concurrent sequences per engine."""
+    dtype: str = "float32"
+    """Engine weight dtype."""
+    enforce_eager: bool = True
+    """Disable CUDA graphs / compilation (fast start on CPU)."""
+    cpus_per_engine: int = 1
+    """CPUs in each rollout bundle."""
+    start_timeout_s: float = 300.0
+    """Time for an engine to start before it is declared dead."""
+    weights_wait_timeout_s: float = 600.0
+    """How long a request waits for the first weights before failing."""
+    wait_log_interval_s: float = 10.0
+    """Period of progress logs for long waits."""
+    vllm_log_level: str = "ERROR"
+    """vLLM's own log level in the engines (its layerwise reload warns on every sync about
+    weight-less layers such as rotary embeddings and a tied lm_head)."""
+
+
+@dataclass(frozen=True)
+class TransportConfig:
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """Process-group backend; 'auto' -> nccl on cuda, gloo on cpu."""
+    bucket_bytes: int = 256 * 1024 * 1024
+    """Max bytes in one flat broadcast bucket."""
+    timeout_s: float = 120.0
+    """Timeout of the group rendezvous and of every collective."""
+    dtype: str | None = None
+    """Wire dtype (e.g. 'bfloat16'); null -> the trainer parameters' dtype."""
+
+
+@dataclass(frozen=True)
+class ControlConfig:
+    host: str = "127.0.0.1"
+    """Coordinator bind address (localhost unless set)."""
+    port: int = 0
+    """Coordinator port; 0 picks a free one (written to <run_dir>/coordinator.addr)."""
+    rpc_timeout_s: float = 30.0
+    """Timeout of every control-plane call."""
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig:
+    name: Literal["grpo"] = "grpo"
+    """RL algorithm."""
+    group_size: int = 8
+    """Samples per prompt; advantages are normalised within each group."""
+    prompts_per_step: int = 32
+    """Prompts per optimizer step (batch = prompts_per_step * group_size samples)."""
+    clip_eps: float = 0.2
+    """PPO clip range for the importance ratio against the behaviour log-probs."""
+    kl_coef: float = 0.0
+    """Weight of the k3 KL penalty to the reference (initial) policy; 0 = off."""
+    adv_eps: float = 1e-6
+    """Added to the group std when normalising advantages."""
+    scale_by_std: bool = True
+    """Divide group-centred rewards by the group std (GRPO) or not (Dr. GRPO)."""
+    max_staleness: int = 0
+    """Max policy versions between a sample's behaviour policy and the trained one (0 = on-policy)."""
+
+
+@dataclass(frozen=True)
+class TinyModelConfig:
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_heads: int = 2
+    intermediate_size: int = 256
+    max_position_embeddings: int = 256
+
+
+@dataclass(frozen=True)
+class WarmStartConfig:
+    steps: int = 60
+    """Supervised steps on the task format before RL (0 = none); cached like a checkpoint."""
+    batch_size: int = 64
+    lr: float = 1e-3
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str | None = None
+    """Local HF model directory; null -> build the embedded tiny model."""
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+    """Shape of the embedded model."""
+    warmstart: WarmStartConfig = field(default_factory=WarmStartConfig)
+    """Supervised warm start of the embedded model."""
+    seed: int = 0
+    """Init seed of the embedded model."""
+    cache_dir: str = "~/.cache/disagg"
+    """Where built/warm-started models are cached."""
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    train_files: tuple[str, ...] = ()
+    """JSONL/Parquet files with a prompt column; empty -> the synthetic task."""
+    prompt_key: str = "prompt"
+    """Column holding the prompt text."""
+    num_digits: int = 4
+    """Synthetic reverse-digits task: digits per prompt."""
+    shuffle: bool = True
+    seed: int = 0
+    add_bos: bool = True
+    """Prepend the tokenizer's BOS token to each prompt."""
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    name: str | None = "reverse_digits"
+    """Registered reward function."""
+    path: str | None = None
+    """'module:function' reward (overrides name)."""
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    root_dir: str = "runs"
+    """Parent of run directories."""
+    level: str = "INFO"
+    tensorboard: bool = True
+    plot: bool = True
+    progress: bool = True
+    """Show a progress bar."""
+
+
+@dataclass(frozen=True)
+class Config:
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    transport: TransportConfig = field(default_factory=TransportConfig)
+    control: ControlConfig = field(default_factory=ControlConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    run_dir: str | None = None
+    """Run directory; null -> hydra's output directory."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _coerce(key: str, tp: Any, value: Any) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(key, a, value)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if errors else f"{key}={value!r}: invalid value")
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if value not in allowed:
+            raise ConfigError(f"{key}={value!r}: must be one of {list(allowed)}")
+        return value
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            if isinstance(value, str) and typing.get_args(tp)[-1] is Ellipsis:
+                value = [value]
+            else:
+                raise ConfigError(f"{key}={value!r}: expected a list")
+        args = typing.get_args(tp)
+        if args and args[-1] is Ellipsis:
+            return tuple(_coerce(f"{key}[{i}]", args[0], v) for i, v in enumerate(value))
+        if len(args) != len(value):
+            raise ConfigError(f"{key}={value!r}: expected {len(args)} values")
+        return tuple(_coerce(f"{key}[{i}]", a, v) for i, (a, v) in enumerate(zip(args, value)))
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, key)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}={value!r}: expected true or false")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}={value!r}: expected an integer")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}={value!r}: expected a number")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}={value!r}: expected a string")
+        return value
+    if tp is Any:
+        return value
+    raise ConfigError(f"{key}: unsupported config type {tp}")
+
+
+def _build(cls: type, data: Any, prefix: str) -> Any:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix or 'config'}={data!r}: expected a mapping")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        where = f"{prefix}." if prefix else ""
+        raise ConfigError(f"unknown config key {where}{unknown[0]} (known under {prefix or 'root'}: {sorted(names)})")
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name in data:
+            key = f"{prefix}.{f.name}" if prefix else f.name
+            kwargs[f.name] = _coerce(key, hints[f.name], data[f.name])
+    return cls(**kwargs)
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+def validate(cfg: Config) -> Config:
+    """Cross-field checks, each raising a ConfigError that quotes the values."""
+    t, r, a, tr = cfg.trainer, cfg.rollout, cfg.algorithm, cfg.transport
+    for key, v in [
+        ("trainer.num_workers", t.num_workers),
+        ("trainer.total_steps", t.total_steps),
+        ("trainer.micro_batch_size", t.micro_batch_size),
+        ("trainer.cpus_per_worker", t.cpus_per_worker),
+        ("trainer.torch_threads", t.torch_threads),
+        ("rollout.num_engines", r.num_engines),
+        ("rollout.tensor_parallel_size", r.tensor_parallel_size),
+        ("rollout.max_model_len", r.max_model_len),
+        ("rollout.max_tokens", r.max_tokens),
+        ("rollout.max_num_seqs", r.max_num_seqs),
+        ("rollout.cpus_per_engine", r.cpus_per_engine),
+        ("algorithm.prompts_per_step", a.prompts_per_step),
+        ("transport.bucket_bytes", tr.bucket_bytes),
+        ("data.num_digits", cfg.data.num_digits),
+    ]:
+        _check(v >= 1, f"{key}={v}: must be >= 1")
+    for key, v in [
+        ("trainer.lr", t.lr),
+        ("rollout.temperature", r.temperature),
+        ("transport.timeout_s", tr.timeout_s),
+        ("control.rpc_timeout_s", cfg.control.rpc_timeout_s),
+        ("cluster.placement_timeout_s", cfg.cluster.placement_timeout_s),
+        ("cluster.actor_timeout_s", cfg.cluster.actor_timeout_s),
+        ("rollout.start_timeout_s", r.start_timeout_s),
+    ]:
+        _check(v > 0, f"{key}={v}: must be > 0")
+    _check(a.group_size >= 2, f"algorithm.group_size={a.group_size}: GRPO needs >= 2 samples per prompt")
+    _check(a.max_staleness >= 0, f"algorithm.max_staleness={a.max_staleness}: must be >= 0")
+    _check(0 < a.clip_eps < 1, f"algorithm.clip_eps={a.clip_eps}: must be in (0, 1)")
+    _check(a.kl_coef >= 0, f"algorithm.kl_coef={a.kl_coef}: must be >= 0")
+    _check(0 < r.top_p <= 1, f"rollout.top_p={r.top_p}: must be in (0, 1]")
+    _check(
+        0 < r.gpu_memory_utilization < 1,
+        f"rollout.gpu_memory_utilization={r.gpu_memory_utilization}: must be in (0, 1)",
+    )
+    _check(
+        r.max_tokens < r.max_model_len,
+        f"rollout.max_tokens={r.max_tokens} must be < rollout.max_model_len={r.max_model_len}",
+    )
+    _check(0 <= cfg.control.port < 65536, f"control.port={cfg.control.port}: must be in [0, 65535]")
+    if cfg.model.path is None:
+        tiny = cfg.model.tiny
+        _check(
+            tiny.hidden_size % tiny.num_heads == 0 and tiny.hidden_size // tiny.num_heads in (32, 64, 128),
+            f"model.tiny.hidden_size={tiny.hidden_size} / model.tiny.num_heads={tiny.num_heads}: "
+            "head_dim must be 32, 64 or 128 (vLLM CPU attention)",
+        )
+        _check(
+            r.max_model_len <= tiny.max_position_embeddings,
+            f"rollout.max_model_len={r.max_model_len} exceeds model.tiny.max_position_embeddings="
+            f"{tiny.max_position_embeddings}",
+        )
+    elif not os.path.isdir(os.path.expanduser(cfg.model.path)):
+        raise ConfigError(f"model.path={cfg.model.path!r}: not a local directory (nothing can be downloaded)")
+    _check(
+        cfg.reward.name is not None or cfg.reward.path is not None,
+        "reward.name and reward.path are both null: set one",
+    )
+    _check(
+        r.load_format == "dummy",
+        f"rollout.load_format={r.load_format!r}: training engines start on dummy weights and wait for the "
+        "trainer's first sync; 'auto' is for standalone `disagg generate`",
+    )
+    _check(
+        a.max_staleness == 0,
+        f"algorithm.max_staleness={a.max_staleness}: this build trains synchronously on-policy; only 0 is supported",
+    )
+    if cfg.trainer.num_workers > 1:
+        per = a.prompts_per_step * a.group_size
+        _check(
+            per >= cfg.trainer.num_workers,
+            f"algorithm.prompts_per_step*group_size={per} is smaller than trainer.num_workers={t.num_workers}",
+        )
+    return cfg
+
+
+def load_config(data: dict[str, Any] | None, *, check: bool = True) -> Config:
+    """Build the validated Config from a plain dict (e.g. ``OmegaConf.to_container``)."""
+    data = dict(data or {})
+    data.pop("hydra", None)
+    cfg = _build(Config, data, "")
+    return validate(cfg) if check else cfg
+
+
+def resolve_device(cfg: Config) -> str:
+    """'cpu' or 'cuda' for this run's bundles."""
+    if cfg.cluster.device != "auto":
+        return cfg.cluster.device
+    try:
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    except ImportError:
+        return "cpu"
+
+
+def resolve_backend(cfg: Config, device: str) -> str:
+    if cfg.transport.backend != "auto":
+        if cfg.transport.backend == "nccl" and device != "cuda":
+            raise ConfigError("transport.backend='nccl' needs cluster.device=cuda; use 'gloo' on CPU")
+        return cfg.transport.backend
+    return "nccl" if device == "cuda" else "gloo"

@@ -1,0 +1,107 @@
+"""Plain dataclasses for what the coordinator reports: pools, engines, the cluster.
+
+Protobuf stays inside the control package's wire code (``convert``, ``server``,
+``client``); everything else in disagg (the driver, the engines, ``disagg ctl
+--json``) sees these types. This module must never import grpc or protobuf.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from enum import Enum
+
+
+class EngineState(str, Enum):
+    """Life cycle of one rollout engine as the coordinator tracks it."""
+
+    STARTING = "STARTING"  # process up, model loading
+    WAITING_FOR_WEIGHTS = "WAITING_FOR_WEIGHTS"  # loaded, must not serve until a sync lands
+    READY = "READY"  # serving its acknowledged policy version
+    SYNCING = "SYNCING"  # receiving a new policy version
+    DRAINING = "DRAINING"  # finishing in-flight requests; excluded from the commit
+    DEAD = "DEAD"  # gone; excluded from the commit
+
+    @property
+    def is_live(self) -> bool:
+        """Whether the engine counts towards the committed version."""
+        return self not in (EngineState.DRAINING, EngineState.DEAD)
+
+
+POOL_NAMES = ("trainer", "rollout")
+
+
+@dataclass(frozen=True)
+class PoolStatus:
+    """One placement-group-backed pool, as registered by the driver."""
+
+    name: str  # "trainer" or "rollout"
+    num_bundles: int
+    bundle_resources: str  # one bundle's resources, e.g. "CPU:1" or "GPU:1,CPU:4"
+    placement_group_id: str
+    num_workers: int
+    registered_unix_s: float = 0.0  # set by the coordinator when it registers the pool
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What a rollout engine says about itself when it registers."""
+
+    engine_id: int
+    node_ip: str
+    pid: int
+    address: str = ""  # the engine's serving address; empty if it serves none
+    state: EngineState = EngineState.STARTING
+
+
+@dataclass(frozen=True)
+class EngineStatus:
+    """One engine as the coordinator sees it now."""
+
+    engine_id: int
+    state: EngineState
+    node_ip: str
+    pid: int
+    address: str
+    policy_version: int  # the version the engine last acknowledged; 0 if none
+    last_update_unix_s: float  # wall time of its last registration, state change or ack
+    message: str = ""  # free text from its last state update, e.g. why it died
+
+
+@dataclass(frozen=True)
+class ClusterStatus:
+    """A snapshot of the coordinator: what ``GetStatus`` and ``disagg ctl status`` show."""
+
+    pools: tuple[PoolStatus, ...]
+    engines: tuple[EngineStatus, ...]  # sorted by engine_id
+    latest_version: int  # highest announced policy version; 0 if none
+    committed_version: int  # highest version every live engine acknowledged; 0 if none
+    max_staleness: int  # how many versions rollouts may lag the trainer
+    trainer_step: int
+    run_dir: str
+    started_unix_s: float  # wall time the coordinator started
+
+    def engine(self, engine_id: int) -> EngineStatus:
+        for e in self.engines:
+            if e.engine_id == engine_id:
+                return e
+        raise KeyError(f"engine {engine_id} is not registered (registered: {[e.engine_id for e in self.engines]})")
+
+    def to_dict(self) -> dict:
+        """JSON-ready dict; engine states become their names."""
+        d = asdict(self)
+        for e in d["engines"]:
+            e["state"] = EngineState(e["state"]).value
+        return d
+
+    @staticmethod
+    def from_dict(d: dict) -> "ClusterStatus":
+        return ClusterStatus(
+            pools=tuple(PoolStatus(**p) for p in d["pools"]),
+            engines=tuple(EngineStatus(**{**e, "state": EngineState(e["state"])}) for e in d["engines"]),
+            latest_version=int(d["latest_version"]),
+            committed_version=int(d["committed_version"]),
+            max_staleness=int(d["max_staleness"]),
+            trainer_step=int(d["trainer_step"]),
+            run_dir=d["run_dir"],
+            started_unix_s=float(d["started_unix_s"]),
+        )

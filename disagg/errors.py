@@ -1,0 +1,30 @@
+"""Error types shared by every disagg component.
+
+User mistakes are ``ConfigError``; recoverable per-sample trouble is
+``RolloutError``; ``EngineDeadError`` and ``TransportError`` are fatal for the
+engine or the weight-sync group they name, as vLLM splits them.
+"""
+
+
+class DisaggError(Exception):
+    """Base class for disagg's own errors."""
+
+
+class ConfigError(DisaggError, ValueError):
+    """A configuration value is invalid; the message names the key and the value."""
+
+
+class RolloutError(DisaggError):
+    """One sample could not be produced; drop or retry it, the run goes on."""
+
+
+class EngineDeadError(DisaggError):
+    """A rollout engine died or stopped answering."""
+
+
+class TransportError(DisaggError):
+    """A weight-sync rendezvous or collective failed or timed out."""
+
+
+class ControlError(DisaggError):
+    """A control-plane (gRPC) call failed; the message names the call and peer."""

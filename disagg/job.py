@@ -1,0 +1,139 @@
+"""A running disagg job: coordinator, both pools, and the transport group between them.
+
+``Job.start`` brings everything up in order - coordinator (gRPC), Ray, the two
+placement groups, trainer workers, rollout engines (dummy weights), then the
+dedicated transport group - and ``sync_weights`` moves one policy version from
+trainer rank 0 to every engine worker. The driver only orchestrates: no
+parameter byte passes through it or through Ray's object store.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from disagg.cluster import Pools, connect, create_pools
+from disagg.config import Config, resolve_backend, resolve_device
+from disagg.errors import TransportError
+from disagg.logs import ray_get_logged
+from disagg.rollout.pool import RolloutPool
+from disagg.trainer.group import TrainerGroup
+
+log = logging.getLogger("disagg.job")
+
+
+@dataclass
+class SyncStats:
+    policy_version: int
+    bytes: int
+    seconds: float
+    send_s: float
+    num_buckets: int
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+class Job:
+    def __init__(self, cfg: Config, run_dir: Path, model_path: Path):
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.model_path = model_path
+        self.coordinator = None
+        self.pools: Pools | None = None
+        self.trainer: TrainerGroup | None = None
+        self.rollout: RolloutPool | None = None
+        self.transport_epoch = 0
+        self.engine_start_s: list[float] = []
+
+    @classmethod
+    def start(cls, cfg: Config, run_dir: Path, model_path: Path) -> "Job":
+        job = cls(cfg, run_dir, model_path)
+        try:
+            job._start()
+        except BaseException:
+            job.shutdown()
+            raise
+        return job
+
+    def _start(self) -> None:
+        from disagg.control.server import CoordinatorServer
+        from disagg.control.types import PoolStatus
+
+        cfg = self.cfg
+        device = resolve_device(cfg)
+        self.backend = resolve_backend(cfg, device)
+        # Ray first: its node processes are forked, and forking with live gRPC threads is unsafe.
+        connect(cfg, device)
+        self.coordinator = CoordinatorServer(cfg.control.host, cfg.control.port, cfg.algorithm.max_staleness,
+                                             str(self.run_dir)).start()
+        (self.run_dir / "coordinator.addr").write_text(self.coordinator.address + "\n")
+        log.info("coordinator listening on %s", self.coordinator.address)
+        self.pools = create_pools(cfg, device)
+        state = self.coordinator.state
+        for name, pg, bundle, n, workers in [
+            ("trainer", self.pools.trainer_pg, self.pools.trainer_bundle, cfg.trainer.num_workers, cfg.trainer.num_workers),
+            ("rollout", self.pools.rollout_pg, self.pools.rollout_bundle,
+             cfg.rollout.num_engines * cfg.rollout.tensor_parallel_size, cfg.rollout.num_engines),
+        ]:
+            res = ",".join(f"{k}:{v:g}" for k, v in bundle.items())
+            state.register_pool(PoolStatus(name, n, res, pg.id.hex(), workers))
+        t0 = time.perf_counter()
+        self.rollout = RolloutPool(cfg, self.pools.rollout_pg, device, str(self.model_path), self.coordinator.address)
+        self.trainer = TrainerGroup(cfg, self.pools.trainer_pg, device, str(self.model_path))
+        self.engine_start_s = [i["start_s"] for i in self.rollout.start_info]
+        log.info("pools up in %.1fs (engine start %s s)", time.perf_counter() - t0,
+                 ", ".join(f"{s:.1f}" for s in self.engine_start_s))
+        self.init_transport()
+
+    def init_transport(self) -> None:
+        """(Re)build the dedicated transport group: trainer rank 0 + every engine worker."""
+        self.transport_epoch += 1
+        host, port = self.trainer.transport_endpoint()
+        world = 1 + self.rollout.num_workers
+        name = f"disagg-transport-{self.transport_epoch}"
+        t = self.cfg.transport.timeout_s
+        t0 = time.perf_counter()
+        refs = [self.trainer.rank0.init_transport.remote(host=host, port=port, world_size=world, backend=self.backend,
+                                                           timeout_s=t, group_name=name)]
+        refs += self.rollout.init_transport_async(host, port, world, self.backend, t, name)
+        try:
+            ray_get_logged(refs, what=f"transport group {name} rendezvous", timeout_s=t + 30, log=log)
+        except TimeoutError as e:
+            raise TransportError(f"transport group {name} ({world} ranks at {host}:{port}): {e}") from e
+        log.info("transport group %s up: %d ranks, backend %s, %.2fs", name, world, self.backend,
+                 time.perf_counter() - t0)
+
+    def sync_weights(self, policy_version: int, trainer_step: int) -> SyncStats:
+        """Announce ``policy_version`` and broadcast it to every engine; returns when all acked."""
+        t0 = time.perf_counter()
+        self.trainer.announce(self.coordinator.address, policy_version, trainer_step)
+        self.coordinator.state.set_trainer_step(trainer_step)
+        refs = self.trainer.push_weights_async(policy_version) + self.rollout.receive_weights_async(policy_version)
+        try:
+            outs = ray_get_logged(refs, what=f"weight sync v{policy_version}", timeout_s=self.cfg.transport.timeout_s + 30,
+                                  log=log)
+        except TimeoutError as e:
+            raise TransportError(f"weight sync of version {policy_version}: {e}") from e
+        seconds = time.perf_counter() - t0
+        sent = outs[0]
+        committed = self.coordinator.state.committed_version()
+        if committed != policy_version:
+            raise TransportError(f"after sync of version {policy_version} the committed version is {committed}")
+        return SyncStats(policy_version, int(sent["bytes"]), seconds, float(sent["send_s"]), int(sent["num_buckets"]))
+
+    def shutdown(self) -> None:
+        if self.rollout is not None:
+            self.rollout.shutdown()
+        if self.trainer is not None:
+            self.trainer.shutdown()
+        if self.pools is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self.pools.trainer_pg)
+            remove_placement_group(self.pools.rollout_pg)
+        if self.coordinator is not None:
+            self.coordinator.stop()

@@ -1,0 +1,80 @@
+"""Logging with the role and rank in every line (``[rollout:2]``), and waits that talk.
+
+Silent hangs are the most common complaint against RL frameworks, so every long
+wait goes through ``wait_logged`` / ``await_logged``: a deadline, and a progress
+line every few seconds saying what is awaited.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, Awaitable, Callable, TypeVar
+
+T = TypeVar("T")
+
+_FMT = "%(asctime)s %(levelname)s [%(role)s] %(name)s: %(message)s"
+
+
+class _RoleFilter(logging.Filter):
+    def __init__(self, role: str):
+        super().__init__()
+        self.role = role
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not hasattr(record, "role"):
+            record.role = self.role
+        return True
+
+
+def setup_logging(role: str, level: str | int = "INFO") -> None:
+    """Configure the root logger of this process to tag lines with ``role``."""
+    root = logging.getLogger()
+    root.setLevel(level)
+    if not root.handlers:
+        root.addHandler(logging.StreamHandler())
+    for h in root.handlers:
+        h.filters = [f for f in h.filters if not isinstance(f, _RoleFilter)]
+        h.addFilter(_RoleFilter(role))
+        h.setFormatter(logging.Formatter(_FMT, datefmt="%H:%M:%S"))
+    logging.getLogger("disagg").setLevel(level)
+
+
+async def await_logged(
+    aw: Awaitable[T], *, what: str, timeout_s: float, log: logging.Logger, interval_s: float = 10.0,
+    on_timeout: Callable[[], Exception] | None = None,
+) -> T:
+    """Await ``aw`` with a deadline, logging progress every ``interval_s``."""
+    task = asyncio.ensure_future(aw)
+    start = time.monotonic()
+    while True:
+        left = timeout_s - (time.monotonic() - start)
+        if left <= 0:
+            task.cancel()
+            raise (on_timeout() if on_timeout else TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}"))
+        done, _ = await asyncio.wait({task}, timeout=min(interval_s, left))
+        if done:
+            return task.result()
+        log.info("still waiting for %s (%.0fs of %.0fs)", what, time.monotonic() - start, timeout_s)
+
+
+def ray_get_logged(refs: Any, *, what: str, timeout_s: float, log: logging.Logger, interval_s: float = 10.0) -> Any:
+    """``ray.get`` with a deadline and periodic progress logs; raises ``TimeoutError``."""
+    import ray
+
+    single = not isinstance(refs, list)
+    pending = [refs] if single else list(refs)
+    start = time.monotonic()
+    while True:
+        left = timeout_s - (time.monotonic() - start)
+        ready, not_ready = ray.wait(pending, num_returns=len(pending), timeout=max(0.0, min(interval_s, left)))
+        if not not_ready:
+            out = ray.get(pending)
+            return out[0] if single else out
+        # Surface an actor failure early instead of waiting on its siblings.
+        for r in ready:
+            ray.get(r)
+        if time.monotonic() - start >= timeout_s:
+            raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what} ({len(not_ready)} of {len(pending)} pending)")
+        log.info("still waiting for %s: %d of %d pending after %.0fs", what, len(not_ready), len(pending), time.monotonic() - start)

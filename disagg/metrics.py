@@ -1,0 +1,96 @@
+"""Per-step metrics: ``<run_dir>/metrics.jsonl``, TensorBoard, and a reward plot.
+
+One JSON object per step with slash-path keys and unit suffixes
+(``timing/weight_sync_s``, ``weight_sync/gb_per_s``). The reward curve is drawn
+at the end because people would rather look at it than read the JSONL.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("disagg.metrics")
+
+REQUIRED_KEYS = (
+    "timing/rollout_s",
+    "timing/train_s",
+    "timing/weight_sync_s",
+    "weight_sync/bytes",
+    "weight_sync/gb_per_s",
+    "reward/mean",
+    "samples/trained",
+    "timing/step_s",
+    "policy_version",
+)
+
+
+class MetricsWriter:
+    def __init__(self, run_dir: Path, tensorboard: bool = True):
+        self.path = run_dir / "metrics.jsonl"
+        self._f = self.path.open("a")
+        self._tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(run_dir / "tensorboard"))
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        rec = {"step": step, **metrics}
+        self._f.write(json.dumps(rec) + "\n")
+        self._f.flush()
+        if self._tb is not None:
+            for k, v in metrics.items():
+                if isinstance(v, (int, float)):
+                    self._tb.add_scalar(k, v, step)
+
+    def close(self) -> None:
+        self._f.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def plot_rewards(metrics_path: Path, out: Path) -> Path | None:
+    """Reward per step with a moving average; returns the PNG path (None if no steps)."""
+    recs = read_metrics(metrics_path)
+    if not recs:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in recs]
+    reward = [r["reward/mean"] for r in recs]
+    w = max(1, len(reward) // 20)
+    smooth = [sum(reward[max(0, i - w + 1) : i + 1]) / len(reward[max(0, i - w + 1) : i + 1]) for i in range(len(reward))]
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
+    ax.plot(steps, reward, alpha=0.35, label="reward/mean")
+    ax.plot(steps, smooth, label=f"moving average ({w} steps)")
+    ax.set_xlabel("step (policy version - 1)")
+    ax.set_ylabel("mean reward")
+    ax.set_ylim(min(0.0, min(reward)), max(1.0, max(reward)) * 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    ax.set_title(f"reward: first 10% {_tenth(reward, first=True):.3f}, last 10% {_tenth(reward, first=False):.3f}")
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+    return out
+
+
+def _tenth(values: list[float], first: bool) -> float:
+    k = max(1, len(values) // 10)
+    part = values[:k] if first else values[-k:]
+    return sum(part) / len(part)
+
+
+def reward_summary(metrics_path: Path) -> dict[str, float]:
+    reward = [r["reward/mean"] for r in read_metrics(metrics_path)]
+    return {"first_10pct": _tenth(reward, True), "last_10pct": _tenth(reward, False), "steps": len(reward)}

@@ -1,0 +1,1 @@
+"""Model helpers: the tiny embedded model, tokenizer and warm start."""

@@ -1,0 +1,214 @@
+"""The rollout engine: one Ray actor running vLLM's AsyncLLM.
+
+The engine starts on dummy weights and must never answer a request with them:
+every generation waits on ``_weights_loaded``, an event only a completed weight
+sync sets (or, in standalone ``load_format=auto`` mode, the real checkpoint
+load). Weight syncs go through vLLM's native weight-transfer API with the
+``disagg`` backend (``vllm_transfer.py``); the manifest comes from the
+coordinator, and the engine acknowledges each version it then serves.
+
+This is the only module (with ``vllm_transfer``) that imports vLLM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from typing import Any
+
+from disagg.config import RolloutConfig
+from disagg.errors import EngineDeadError, RolloutError
+from disagg.logs import await_logged, setup_logging
+from disagg.rollout.types import Completion, GenRequest, GenResult, SyncReport
+
+log = logging.getLogger("disagg.rollout")
+
+WORKER_EXTENSION = "disagg.rollout.vllm_transfer.DisaggWorkerExtension"
+
+
+class EngineActor:
+    """A vLLM engine behind a weights-loaded gate. Wrapped with ``ray.remote`` by the pool."""
+
+    def __init__(self, engine_id: int, model_path: str, cfg: RolloutConfig, coordinator: str | None,
+                 rpc_timeout_s: float, seed: int = 0, log_level: str = "INFO"):
+        setup_logging(f"rollout:{engine_id}", log_level)
+        self.engine_id = engine_id
+        self.model_path = model_path
+        self.cfg = cfg
+        self.seed = seed
+        self.version = 0  # 0 = dummy weights, never served
+        self._weights_loaded = asyncio.Event()
+        self._engine = None
+        self._coord = None
+        self._registered = False
+        if coordinator:
+            from disagg.control.client import CoordinatorClient
+
+            self._coord = CoordinatorClient(coordinator, timeout_s=rpc_timeout_s)
+        self.stats = {"requests": 0, "dropped_prompt_too_long": 0, "tokens_generated": 0}
+
+    # ---- lifecycle -------------------------------------------------------------------
+    async def start(self) -> dict[str, Any]:
+        """Start AsyncLLM (dummy weights unless load_format=auto). Returns start info."""
+        import ray
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        t0 = time.perf_counter()
+        args = AsyncEngineArgs(
+            model=self.model_path,
+            load_format=self.cfg.load_format,
+            dtype=self.cfg.dtype,
+            max_model_len=self.cfg.max_model_len,
+            gpu_memory_utilization=self.cfg.gpu_memory_utilization,
+            max_num_seqs=self.cfg.max_num_seqs,
+            enforce_eager=self.cfg.enforce_eager,
+            tensor_parallel_size=self.cfg.tensor_parallel_size,
+            seed=self.seed,
+            logprobs_mode="processed_logprobs",
+            weight_transfer_config={"backend": "disagg"},
+            worker_extension_cls=WORKER_EXTENSION,
+            disable_log_stats=True,
+        )
+        self._engine = AsyncLLM.from_engine_args(args)
+        start_s = time.perf_counter() - t0
+        if self.cfg.load_format == "auto":
+            self.version = 1
+            self._weights_loaded.set()
+            self._report_state("READY")
+        else:
+            self._report_state("WAITING_FOR_WEIGHTS")
+        node = ray.util.get_node_ip_address()
+        if self._coord is not None:
+            from disagg.control.types import EngineInfo, EngineState
+
+            state = EngineState.READY if self._weights_loaded.is_set() else EngineState.WAITING_FOR_WEIGHTS
+            self._coord.register_engine(EngineInfo(self.engine_id, node, os.getpid(), "", state))
+            self._registered = True
+        log.info("engine started in %.1fs (load_format=%s)", start_s, self.cfg.load_format)
+        return {"engine_id": self.engine_id, "start_s": start_s, "node_ip": node, "pid": os.getpid()}
+
+    async def shutdown(self) -> None:
+        if self._engine is not None:
+            self._engine.shutdown()
+            self._engine = None
+
+    def _report_state(self, state: str, message: str = "") -> None:
+        if self._coord is not None and self._registered:
+            from disagg.control.types import EngineState
+
+            self._coord.update_engine_state(self.engine_id, EngineState(state), message)
+
+    # ---- weight sync -----------------------------------------------------------------
+    async def init_transport(self, *, host: str, port: int, world_size: int, rank_offset: int, backend: str,
+                             timeout_s: float, group_name: str) -> None:
+        """Join the dedicated transport group (run concurrently with the trainer's join)."""
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        info = dict(host=host, port=port, world_size=world_size, rank_offset=rank_offset, backend=backend,
+                    timeout_s=timeout_s, group_name=group_name)
+        await self._engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info))
+
+    async def receive_weights(self, policy_version: int, manifest: dict | None = None) -> SyncReport:
+        """Take ``policy_version`` off the wire (concurrently with the trainer's send).
+
+        The manifest is fetched from the coordinator unless given. In-flight
+        requests are frozen (pause keep), the prefix cache is cleared so no KV
+        from the old weights is reused, and the version is acknowledged.
+        """
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        from disagg.transport.manifest import Manifest
+
+        t0 = time.perf_counter()
+        if manifest is None:
+            if self._coord is None:
+                raise RolloutError("receive_weights without a manifest needs a coordinator")
+            m = self._coord.get_manifest(policy_version)
+        else:
+            m = Manifest.from_dict(manifest)
+        self._report_state("SYNCING")
+        eng = self._engine
+        await eng.pause_generation(mode="keep", clear_cache=False)
+        try:
+            await eng.start_weight_update()
+            t1 = time.perf_counter()
+            await eng.update_weights(WeightTransferUpdateRequest(update_info={"manifest": m.to_dict()}))
+            recv_s = time.perf_counter() - t1
+            await eng.finish_weight_update(weight_version=str(policy_version))
+            await eng.reset_prefix_cache()
+        finally:
+            await eng.resume_generation()
+        stats = await self.get_transfer_stats()
+        self.version = policy_version
+        self._weights_loaded.set()
+        self._report_state("READY")
+        if self._coord is not None:
+            self._coord.ack_version(self.engine_id, policy_version, m.layout_digest())
+        return SyncReport(self.engine_id, policy_version, int(stats.get("bytes", 0)), int(stats.get("num_buckets", 0)),
+                          int(stats.get("num_tensors", 0)), recv_s, time.perf_counter() - t0)
+
+    async def get_version(self) -> dict[str, Any]:
+        served = await self._engine.get_weight_version() if self._engine is not None else None
+        return {"policy_version": self.version, "vllm_weight_version": served, "loaded": self._weights_loaded.is_set()}
+
+    # ---- generation ------------------------------------------------------------------
+    async def generate(self, requests: list[GenRequest]) -> list[GenResult]:
+        """Serve a list of prompts concurrently; each waits for real weights first."""
+        return list(await asyncio.gather(*(self._generate_one(r) for r in requests)))
+
+    async def _generate_one(self, req: GenRequest) -> GenResult:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        self.stats["requests"] += 1
+        if len(req.prompt_ids) >= self.cfg.max_model_len:
+            self.stats["dropped_prompt_too_long"] += 1
+            detail = f"prompt of {len(req.prompt_ids)} tokens >= rollout.max_model_len={self.cfg.max_model_len}"
+            log.warning("dropping request %s: %s", req.request_id, detail)
+            return GenResult(req.request_id, self.engine_id, list(req.prompt_ids), dropped="prompt_too_long", detail=detail)
+        # Guard against dummy weights: nothing is submitted to vLLM before a sync lands.
+        await await_logged(
+            self._weights_loaded.wait(), what=f"first weights (request {req.request_id})",
+            timeout_s=self.cfg.weights_wait_timeout_s, log=log, interval_s=self.cfg.wait_log_interval_s,
+        )
+        min_version = self.version
+        s = req.sampling
+        params = SamplingParams(
+            n=s.n, max_tokens=s.max_tokens, temperature=0.0 if s.greedy else s.temperature,
+            top_p=1.0 if s.greedy else s.top_p, seed=s.seed, logprobs=0,
+            output_kind=RequestOutputKind.FINAL_ONLY,  # one output holding all n samples
+        )
+        final = None
+        try:
+            async for out in self._engine.generate(TokensPrompt(prompt_token_ids=list(req.prompt_ids)), params,
+                                                   request_id=req.request_id):
+                final = out
+        except ValueError as e:  # vLLM's own input validation
+            self.stats["dropped_invalid_prompt"] = self.stats.get("dropped_invalid_prompt", 0) + 1
+            log.warning("dropping request %s: %s", req.request_id, e)
+            return GenResult(req.request_id, self.engine_id, list(req.prompt_ids), dropped="invalid_prompt", detail=str(e))
+        if final is None:
+            raise EngineDeadError(f"engine {self.engine_id} returned no output for {req.request_id}")
+        comps = []
+        for o in final.outputs:
+            ids = list(o.token_ids)
+            lps = [o.logprobs[i][t].logprob for i, t in enumerate(ids)] if o.logprobs else []
+            comps.append(Completion(ids, lps, str(o.finish_reason)))
+            self.stats["tokens_generated"] += len(ids)
+        return GenResult(req.request_id, self.engine_id, list(req.prompt_ids), comps, min_version, self.version)
+
+    async def get_transfer_stats(self) -> dict[str, Any]:
+        """What the receiver in the model's process counted for the last sync."""
+        return (await self._engine.collective_rpc("disagg_transfer_stats"))[0]
+
+    async def placement_group_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_placement_group_id()
+
+    async def get_stats(self) -> dict[str, Any]:
+        return dict(self.stats, policy_version=self.version)

@@ -1,0 +1,73 @@
+"""Typed messages between the driver and rollout engines (no vLLM imports).
+
+Token in, token out: prompts travel as token ids and responses come back as the
+engine's token ids with one behaviour log-prob per generated token, so what the
+trainer trains on is exactly what the engine sampled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    """What vLLM's SamplingParams needs, without importing vLLM."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    n: int = 1
+    seed: int | None = None
+    greedy: bool = False
+
+
+@dataclass(frozen=True)
+class GenRequest:
+    """One prompt; the engine returns ``sampling.n`` samples for it."""
+
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingSpec
+
+
+@dataclass
+class Completion:
+    """One generated sample. ``logprobs[i]`` is the behaviour log-prob of ``response_ids[i]``."""
+
+    response_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+
+
+@dataclass
+class GenResult:
+    """The engine's answer to one GenRequest.
+
+    ``min_version``/``max_version`` are the policy versions the engine served
+    while producing the tokens (equal unless a sync happened in between).
+    ``dropped`` is a reason string when the prompt could not be served (e.g.
+    ``prompt_too_long``); then ``completions`` is empty.
+    """
+
+    request_id: str
+    engine_id: int
+    prompt_ids: list[int]
+    completions: list[Completion] = field(default_factory=list)
+    min_version: int = 0
+    max_version: int = 0
+    dropped: str | None = None
+    detail: str = ""
+
+
+@dataclass
+class SyncReport:
+    """What an engine reports after loading one policy version."""
+
+    engine_id: int
+    policy_version: int
+    bytes_received: int
+    num_buckets: int
+    num_tensors: int
+    receive_s: float
+    total_s: float

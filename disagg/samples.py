@@ -1,0 +1,27 @@
+"""The sample the trainer trains on, as the driver hands it over.
+
+``prompt_ids`` and ``response_ids`` are the engine's exact token ids;
+``behaviour_logprobs[i]`` is the engine's log-prob of ``response_ids[i]``;
+``policy_version`` is the version that produced the tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class TrainSample:
+    prompt_ids: list[int]
+    response_ids: list[int]
+    behaviour_logprobs: list[float]
+    advantage: float
+    reward: float
+    policy_version: int
+
+    def __post_init__(self) -> None:
+        if len(self.response_ids) != len(self.behaviour_logprobs):
+            raise ValueError(
+                f"sample has {len(self.response_ids)} response tokens but "
+                f"{len(self.behaviour_logprobs)} behaviour log-probs"
+            )

@@ -1,0 +1,81 @@
+"""Turn engine results into training samples: rewards, group advantages, drops.
+
+A prompt the engine could not serve, or a sample whose reward function raised,
+is dropped or scored 0 and counted - never the run. A reward traceback is
+logged once per exception type so a broken reward is visible without flooding
+the log.
+"""
+
+from __future__ import annotations
+
+import logging
+import traceback
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from disagg.config import AlgorithmConfig
+from disagg.rollout.types import GenResult
+from disagg.samples import TrainSample
+from disagg.tasks.base import RewardFn
+from disagg.trainer.grpo import group_advantages
+
+log = logging.getLogger("disagg.scoring")
+
+
+@dataclass
+class ScoredBatch:
+    samples: list[TrainSample]
+    rewards: list[float]
+    response_lens: list[int]
+    counts: Counter = field(default_factory=Counter)
+
+
+class Scorer:
+    def __init__(self, reward_fn: RewardFn, decode: Callable[[list[int]], str], algo: AlgorithmConfig):
+        self.reward_fn = reward_fn
+        self.decode = decode
+        self.algo = algo
+        self._logged: set[str] = set()
+
+    def _reward(self, text: str, row: dict[str, Any], counts: Counter) -> float:
+        try:
+            r = float(self.reward_fn(text, row))
+        except Exception as e:  # noqa: BLE001 - a user reward must not kill the run; scored 0 and counted
+            counts["reward_errors"] += 1
+            kind = type(e).__name__
+            if kind not in self._logged:
+                self._logged.add(kind)
+                log.error("reward function raised %s (scored 0; further %s errors are only counted):\n%s",
+                          kind, kind, traceback.format_exc())
+            return 0.0
+        if r != r:  # NaN
+            counts["reward_errors"] += 1
+            return 0.0
+        return r
+
+    def score(self, results: list[GenResult], rows: list[dict[str, Any]]) -> ScoredBatch:
+        counts: Counter = Counter()
+        samples, rewards, lens = [], [], []
+        for res, row in zip(results, rows):
+            if res.dropped is not None:
+                counts[f"dropped_{res.dropped}"] += 1
+                continue
+            if len(res.completions) != self.algo.group_size:
+                counts["dropped_incomplete_group"] += 1
+                log.warning("request %s returned %d of %d samples; group dropped", res.request_id,
+                            len(res.completions), self.algo.group_size)
+                continue
+            group_r = [self._reward(self.decode(c.response_ids), row, counts) for c in res.completions]
+            adv = group_advantages(torch.tensor([group_r]), self.algo.adv_eps, self.algo.scale_by_std)[0].tolist()
+            for c, r, a in zip(res.completions, group_r, adv):
+                rewards.append(r)
+                lens.append(len(c.response_ids))
+                if not c.response_ids:
+                    counts["dropped_empty_response"] += 1
+                    continue
+                samples.append(TrainSample(list(res.prompt_ids), list(c.response_ids), list(c.logprobs), a, r,
+                                           res.min_version))
+        return ScoredBatch(samples, rewards, lens, counts)

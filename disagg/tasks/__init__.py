@@ -1,0 +1,1 @@
+"""Tasks: data sources and reward functions."""

@@ -1,0 +1,64 @@
+"""What a task is: a stream of prompt rows and a reward function.
+
+A row is a dict with at least ``prompt`` (text); other columns travel with the
+sample to the reward. Rewards are plain functions ``(response_text, row) ->
+float``; they are looked up by name in a registry or imported by
+``module:function``. A reward that raises scores 0 and is counted by the caller.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Protocol
+
+from disagg.errors import ConfigError
+
+RewardFn = Callable[[str, dict[str, Any]], float]
+
+_REWARDS: dict[str, RewardFn] = {}
+
+
+def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
+    def deco(fn: RewardFn) -> RewardFn:
+        _REWARDS[name] = fn
+        return fn
+
+    return deco
+
+
+def get_reward(name: str | None, path: str | None) -> RewardFn:
+    """Resolve ``reward.name`` (registered) or ``reward.path`` (``module:function``)."""
+    if path:
+        mod_name, sep, fn_name = path.partition(":")
+        if not sep or not mod_name or not fn_name:
+            raise ConfigError(f"reward.path={path!r}: expected 'module:function'")
+        try:
+            mod = importlib.import_module(mod_name)
+        except ImportError as e:
+            raise ConfigError(f"reward.path={path!r}: cannot import module {mod_name!r}: {e}") from e
+        fn = getattr(mod, fn_name, None)
+        if not callable(fn):
+            raise ConfigError(f"reward.path={path!r}: {mod_name!r} has no callable {fn_name!r}")
+        return fn
+    import disagg.tasks.reverse  # noqa: F401  (registers the built-in rewards)
+
+    if name not in _REWARDS:
+        raise ConfigError(f"reward.name={name!r} is not registered; known: {sorted(_REWARDS)}")
+    return _REWARDS[name]
+
+
+@dataclass
+class PromptRow:
+    """One prompt with its reward context. ``index`` is its position in the data stream."""
+
+    index: int
+    prompt: str
+    row: dict[str, Any]
+
+
+class PromptSource(Protocol):
+    def __iter__(self) -> Iterator[PromptRow]: ...
+
+    @property
+    def num_skipped(self) -> int: ...

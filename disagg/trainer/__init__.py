@@ -1,0 +1,1 @@
+"""Trainer workers: HF model, GRPO loss, optimizer, weight sender."""

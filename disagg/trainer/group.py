@@ -1,0 +1,90 @@
+"""Driver-side handle on the trainer workers in the trainer placement group.
+
+It creates one ``TrainerWorker`` per bundle, splits each batch across them, and
+fans out calls that every rank must make together (train step, weight push).
+Only metadata and samples cross Ray here; parameters never do.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from disagg.config import Config
+from disagg.logs import ray_get_logged
+from disagg.samples import TrainSample
+from disagg.trainer.worker import TrainerWorker
+
+log = logging.getLogger("disagg.trainer")
+
+
+class TrainerGroup:
+    def __init__(self, cfg: Config, pg, device: str, model_path: str):
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self.cfg = cfg
+        self.timeout_s = cfg.cluster.actor_timeout_s
+        n = cfg.trainer.num_workers
+        cls = ray.remote(TrainerWorker)
+        self.workers = [
+            cls.options(
+                num_cpus=cfg.trainer.cpus_per_worker,
+                num_gpus=1 if device == "cuda" else 0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
+                name=None,
+            ).remote(i, n, model_path, cfg.trainer, cfg.algorithm, cfg.transport, cfg.rollout.temperature, device,
+                     cfg.logging.level)
+            for i in range(n)
+        ]
+        master_addr = master_port = None
+        if n > 1:
+            master_addr = self._get(self.workers[0].node_ip.remote(), "trainer rank 0 address")
+            master_port = self._get(self.workers[0].free_port.remote(), "trainer rank 0 port")
+        info = self._get([w.setup.remote(master_addr, master_port) for w in self.workers], "trainer setup")
+        self.num_parameters = info[0]["num_parameters"]
+
+    def _get(self, refs, what: str) -> Any:
+        return ray_get_logged(refs, what=what, timeout_s=self.timeout_s, log=log)
+
+    @property
+    def rank0(self):
+        return self.workers[0]
+
+    def transport_endpoint(self) -> tuple[str, int]:
+        """(host, port) for the transport group's TCPStore, hosted by trainer rank 0."""
+        host = self._get(self.rank0.node_ip.remote(), "trainer rank 0 address")
+        port = self._get(self.rank0.free_port.remote(), "trainer rank 0 port")
+        return host, port
+
+    def train_step(self, samples: list[TrainSample]) -> dict[str, float]:
+        """One optimizer step over ``samples``, split evenly across workers."""
+        n = len(self.workers)
+        shards = [samples[i::n] for i in range(n)]
+        tokens = sum(len(s.response_ids) for s in samples)
+        outs = self._get([w.train_step.remote(sh, tokens) for w, sh in zip(self.workers, shards)], "train step")
+        num_tokens = max(sum(o["num_tokens"] for o in outs), 1.0)
+        return {
+            "loss": sum(o["loss"] for o in outs),
+            "clip_frac": sum(o["clip_frac_sum"] for o in outs) / num_tokens,
+            "ratio_mean": sum(o["ratio_sum"] for o in outs) / num_tokens,
+            "kl_behaviour": sum(o["kl_behaviour_sum"] for o in outs) / num_tokens,
+            "kl_ref": sum(o["kl_ref_sum"] for o in outs) / num_tokens,
+            "grad_norm": outs[0]["grad_norm"],
+            "tokens": num_tokens,
+        }
+
+    def push_weights_async(self, policy_version: int) -> list:
+        """Start the weight push on every rank (rank 0 sends); returns the refs."""
+        return [w.push_weights.remote(policy_version) for w in self.workers]
+
+    def announce(self, coordinator: str, policy_version: int, trainer_step: int) -> str:
+        """Rank 0 announces the version and its manifest to the coordinator over gRPC."""
+        ref = self.rank0.announce.remote(coordinator, policy_version, trainer_step, self.cfg.control.rpc_timeout_s)
+        return self._get(ref, f"announce of version {policy_version}")
+
+    def shutdown(self) -> None:
+        import ray
+
+        for w in self.workers:
+            ray.kill(w)

@@ -1,0 +1,87 @@
+"""GRPO: group-normalised advantages and the PPO-clip token loss. Pure torch.
+
+The importance ratio is taken against the behaviour log-probs that vLLM
+returned for the exact tokens it sampled (``logprobs_mode=processed_logprobs``,
+so temperature is applied on both sides). An optional k3 KL penalty pulls
+towards a frozen reference policy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def group_advantages(rewards: torch.Tensor, eps: float = 1e-6, scale_by_std: bool = True) -> torch.Tensor:
+    """``rewards`` is [num_groups, group_size]; returns advantages of the same shape.
+
+    Each reward minus its group's mean, divided by the group's std (unbiased=False)
+    plus ``eps`` when ``scale_by_std``. A group whose samples all scored the same
+    gets zero advantage: it carries no signal for GRPO.
+    """
+    if rewards.dim() != 2 or rewards.shape[1] < 2:
+        raise ValueError(f"rewards must be [num_groups, group_size>=2], got {tuple(rewards.shape)}")
+    centred = rewards - rewards.mean(dim=1, keepdim=True)
+    if not scale_by_std:
+        return centred
+    return centred / (rewards.std(dim=1, unbiased=False, keepdim=True) + eps)
+
+
+@dataclass
+class LossOutput:
+    loss: torch.Tensor  # scalar to backpropagate (already divided by the normaliser)
+    clip_frac: torch.Tensor  # summed over tokens (divide by token count to report)
+    ratio_sum: torch.Tensor
+    kl_behaviour_sum: torch.Tensor  # sum of (behaviour - current) log-prob: approx KL(behaviour || current)
+    kl_ref_sum: torch.Tensor
+    num_tokens: torch.Tensor
+
+
+def ppo_clip_loss(
+    logp: torch.Tensor,
+    behaviour_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_eps: float,
+    normaliser: float,
+    ref_logp: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+) -> LossOutput:
+    """Token-level PPO-clip loss, summed over masked tokens and divided by ``normaliser``.
+
+    ``logp``, ``behaviour_logp``, ``mask``: [B, T]; ``advantages``: [B] (one per
+    sample, broadcast over its tokens). Pass the global number of response tokens
+    in the batch as ``normaliser`` so micro-batches and ranks add up to a token
+    mean over the whole batch.
+    """
+    mask = mask.to(logp.dtype)
+    log_ratio = logp - behaviour_logp
+    ratio = torch.exp(log_ratio)
+    adv = advantages[:, None].to(logp.dtype)
+    unclipped = ratio * adv
+    clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * adv
+    per_token = -torch.minimum(unclipped, clipped)
+    kl_ref_sum = torch.zeros((), dtype=logp.dtype, device=logp.device)
+    if ref_logp is not None and kl_coef > 0:
+        d = ref_logp - logp
+        k3 = torch.exp(d) - d - 1.0
+        per_token = per_token + kl_coef * k3
+        kl_ref_sum = (k3 * mask).sum().detach()
+    loss = (per_token * mask).sum() / normaliser
+    with torch.no_grad():
+        clip_frac = (((ratio - 1.0).abs() > clip_eps).to(logp.dtype) * mask).sum()
+        return_kwargs = dict(
+            clip_frac=clip_frac,
+            ratio_sum=(ratio * mask).sum(),
+            kl_behaviour_sum=(-log_ratio * mask).sum(),
+            kl_ref_sum=kl_ref_sum,
+            num_tokens=mask.sum(),
+        )
+    return LossOutput(loss=loss, **return_kwargs)
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Log-prob of ``targets`` under ``logits / temperature`` ([B, T, V] -> [B, T])."""
+    logits = logits.float() / temperature
+    return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)

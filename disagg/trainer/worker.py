@@ -1,0 +1,253 @@
+"""A trainer worker: one Ray actor per trainer bundle.
+
+Holds the HF model (FSDP2-sharded over the trainer workers when there is more
+than one), computes the GRPO loss on its share of the batch, steps AdamW, and
+after each step takes part in the weight push: every rank materialises full
+tensors in the same order (a collective under FSDP), rank 0 broadcasts them in
+buckets over the dedicated transport group. The trainer's own process group
+(FSDP) and the transport group are distinct; the transport group never becomes
+the default group.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from disagg.config import AlgorithmConfig, TrainerConfig, TransportConfig
+from disagg.logs import setup_logging
+from disagg.samples import TrainSample
+from disagg.trainer.grpo import ppo_clip_loss, token_logprobs
+
+log = logging.getLogger("disagg.trainer")
+
+
+class TrainerWorker:
+    """Wrapped with ``ray.remote`` by ``TrainerGroup``."""
+
+    def __init__(self, rank: int, world_size: int, model_path: str, cfg: TrainerConfig, algo: AlgorithmConfig,
+                 transport: TransportConfig, temperature: float, device: str, log_level: str = "INFO"):
+        setup_logging(f"trainer:{rank}", log_level)
+        self.rank, self.world_size = rank, world_size
+        self.model_path = model_path
+        self.cfg, self.algo, self.transport_cfg = cfg, algo, transport
+        self.temperature = temperature
+        self.device = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+        if device == "cpu":
+            torch.set_num_threads(cfg.torch_threads)
+        self.model = None
+        self.ref_model = None
+        self.opt = None
+        self.group = None
+        self.sender = None
+        self._manifest = None
+        self._coord = None
+
+    # ---- setup ---------------------------------------------------------------------
+    def node_ip(self) -> str:
+        import ray
+
+        return ray.util.get_node_ip_address()
+
+    def free_port(self) -> int:
+        from disagg.transport.group import pick_free_port
+
+        return pick_free_port(self.node_ip())
+
+    def setup(self, master_addr: str | None = None, master_port: int | None = None) -> dict[str, Any]:
+        """Load the model and optimizer; join the trainer group when sharded."""
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(self.cfg.seed + self.rank)
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+            dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=self.rank,
+                                    world_size=self.world_size, timeout=timedelta(seconds=self.transport_cfg.timeout_s))
+        model = AutoModelForCausalLM.from_pretrained(self.model_path, torch_dtype=torch.float32).to(self.device)
+        if self.algo.kl_coef > 0:
+            self.ref_model = AutoModelForCausalLM.from_pretrained(self.model_path, torch_dtype=torch.float32).to(self.device)
+            self.ref_model.eval().requires_grad_(False)
+        if self.world_size > 1:
+            from torch.distributed.fsdp import fully_shard
+
+            for layer in model.model.layers:
+                fully_shard(layer)
+            fully_shard(model)
+        self.model = model
+        self.opt = torch.optim.AdamW(model.parameters(), lr=self.cfg.lr, betas=self.cfg.betas,
+                                     weight_decay=self.cfg.weight_decay)
+        n = sum(p.numel() for p in model.parameters())
+        log.info("model loaded from %s (%d parameters%s)", self.model_path, n,
+                 f", FSDP2 over {self.world_size} ranks" if self.world_size > 1 else "")
+        return {"num_parameters": n}
+
+    # ---- training ------------------------------------------------------------------
+    def _batch_logprobs(self, model, samples: list[TrainSample]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token log-probs of each sample's response and its mask, both [B, T]."""
+        seqs = [s.prompt_ids + s.response_ids for s in samples]
+        n = max(len(x) for x in seqs)
+        ids = torch.zeros(len(seqs), n, dtype=torch.long)
+        attn = torch.zeros(len(seqs), n, dtype=torch.long)
+        for i, x in enumerate(seqs):
+            ids[i, : len(x)] = torch.tensor(x)
+            attn[i, : len(x)] = 1
+        ids, attn = ids.to(self.device), attn.to(self.device)
+        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
+        lp = token_logprobs(logits, ids[:, 1:], self.temperature)
+        # Response token j of sample i sits at ids[i, P+j]; its log-prob at lp[i, P+j-1].
+        t = max(len(s.response_ids) for s in samples)
+        out = torch.zeros(len(samples), t, device=self.device)
+        mask = torch.zeros(len(samples), t, device=self.device)
+        for i, s in enumerate(samples):
+            p, r = len(s.prompt_ids), len(s.response_ids)
+            out[i, :r] = lp[i, p - 1 : p - 1 + r]
+            mask[i, :r] = 1
+        return out, mask
+
+    def train_step(self, samples: list[TrainSample], global_tokens: int) -> dict[str, float]:
+        """One optimizer step on this rank's share; ``global_tokens`` = response tokens in the whole batch."""
+        t0 = time.perf_counter()
+        self.model.train()
+        mb = self.cfg.micro_batch_size
+        totals = {"clip": 0.0, "ratio": 0.0, "kl_b": 0.0, "kl_ref": 0.0, "tokens": 0.0, "loss": 0.0}
+        # FSDP averages gradients over ranks; scale so the sum over ranks is a global token mean.
+        normaliser = max(global_tokens, 1) / self.world_size
+        for start in range(0, len(samples), mb):
+            chunk = samples[start : start + mb]
+            lp, mask = self._batch_logprobs(self.model, chunk)
+            old = torch.zeros_like(lp)
+            for i, s in enumerate(chunk):
+                old[i, : len(s.behaviour_logprobs)] = torch.tensor(s.behaviour_logprobs)
+            adv = torch.tensor([s.advantage for s in chunk], device=self.device)
+            ref = None
+            if self.ref_model is not None:
+                with torch.no_grad():
+                    ref, _ = self._batch_logprobs(self.ref_model, chunk)
+            out = ppo_clip_loss(lp, old, adv, mask, self.algo.clip_eps, normaliser, ref, self.algo.kl_coef)
+            out.loss.backward()
+            totals["loss"] += out.loss.item() / self.world_size
+            totals["clip"] += out.clip_frac.item()
+            totals["ratio"] += out.ratio_sum.item()
+            totals["kl_b"] += out.kl_behaviour_sum.item()
+            totals["kl_ref"] += out.kl_ref_sum.item()
+            totals["tokens"] += out.num_tokens.item()
+        if self.cfg.grad_clip > 0:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        else:
+            grad_norm = torch.sqrt(sum((p.grad.detach() ** 2).sum() for p in self.model.parameters() if p.grad is not None))
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        tok = max(totals["tokens"], 1.0)
+        return {
+            "loss": totals["loss"],
+            "clip_frac_sum": totals["clip"],
+            "ratio_sum": totals["ratio"],
+            "kl_behaviour_sum": totals["kl_b"],
+            "kl_ref_sum": totals["kl_ref"],
+            "num_tokens": totals["tokens"],
+            "grad_norm": float(grad_norm),
+            "ratio_mean_local": totals["ratio"] / tok,
+            "seconds": time.perf_counter() - t0,
+        }
+
+    # ---- weights -------------------------------------------------------------------
+    def _full_params(self) -> dict[str, torch.Tensor]:
+        """Full tensors of every parameter, in named_parameters order (a collective under FSDP:
+        every rank must call this in lockstep)."""
+        out = {}
+        for name, p in self.model.named_parameters():
+            t = p.detach()
+            if hasattr(t, "full_tensor"):
+                t = t.full_tensor()
+            out[name] = t
+        return out
+
+    def init_transport(self, *, host: str, port: int, world_size: int, backend: str, timeout_s: float,
+                       group_name: str) -> None:
+        """Rank 0 hosts the TCPStore and joins the transport group as rank 0."""
+        if self.rank != 0:
+            return
+        from disagg.transport.group import create_group
+        from disagg.transport.sender import WeightSender
+
+        if self.group is not None:
+            self.group.destroy()
+        self.group = create_group(host=host, port=port, rank=0, world_size=world_size, backend=backend,
+                                  timeout_s=timeout_s, group_name=group_name, device=self.device)
+        self.sender = WeightSender(self.group, src=0)
+
+    def manifest(self, policy_version: int) -> dict:
+        """The manifest of this model at ``policy_version`` (layout only; no collective)."""
+        from disagg.transport.manifest import TensorSpec, plan_buckets
+
+        if self._manifest is None:
+            wire = self.transport_cfg.dtype
+            specs = [TensorSpec(n, tuple(p.shape), wire or str(p.dtype).removeprefix("torch."))
+                     for n, p in self.model.named_parameters()]
+            self._manifest = plan_buckets(specs, self.transport_cfg.bucket_bytes)
+        return self._manifest.with_version(policy_version).to_dict()
+
+    def announce(self, coordinator: str, policy_version: int, trainer_step: int, timeout_s: float) -> str:
+        """Tell the coordinator (gRPC) that ``policy_version`` exists, with its manifest; returns its digest."""
+        from disagg.control.client import CoordinatorClient
+        from disagg.transport.manifest import Manifest
+
+        if self._coord is None:
+            self._coord = CoordinatorClient(coordinator, timeout_s=timeout_s)
+        m = Manifest.from_dict(self.manifest(policy_version))
+        self._coord.announce_version(m, trainer_step)
+        return m.layout_digest()
+
+    def push_weights(self, policy_version: int) -> dict[str, Any]:
+        """Send the current parameters as ``policy_version``; every rank must call this."""
+        from disagg.transport.manifest import Manifest
+
+        t0 = time.perf_counter()
+        params = self._full_params()
+        gather_s = time.perf_counter() - t0
+        if self.rank != 0:
+            return {"rank": self.rank, "gather_s": gather_s}
+        m = Manifest.from_dict(self.manifest(policy_version))
+        stats = self.sender.send(m, params)
+        return {"rank": 0, "gather_s": gather_s, "bytes": stats.bytes, "send_s": stats.seconds,
+                "num_buckets": stats.num_buckets, "group_bytes_sent": self.group.bytes_sent}
+
+    # ---- inspection (tests, debugging) ---------------------------------------------
+    @torch.no_grad()
+    def greedy(self, prompts: list[list[int]], max_tokens: int, eos_id: int) -> list[list[int]]:
+        """HF greedy continuation of each prompt (rank 0, unsharded models only)."""
+        self.model.eval()
+        outs = []
+        for p in prompts:
+            ids = torch.tensor([p], device=self.device)
+            g = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                                    do_sample=False, eos_token_id=eos_id, pad_token_id=0)
+            outs.append(g[0, len(p):].tolist())
+        return outs
+
+    @torch.no_grad()
+    def logprobs(self, samples: list[TrainSample]) -> list[list[float]]:
+        """The current policy's log-prob of each response token (same temperature as training)."""
+        self.model.eval()
+        lp, mask = self._batch_logprobs(self.model, samples)
+        return [lp[i, : len(s.response_ids)].tolist() for i, s in enumerate(samples)]
+
+    def placement_group_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_placement_group_id()
+
+    def param_checksum(self) -> float:
+        return float(sum(p.detach().double().sum().item() for p in self._full_params().values()))
+
+    def pid(self) -> int:
+        return os.getpid()

@@ -1,0 +1,1 @@
+"""Weight transport: bucket planning, packing, process groups, sender and receiver."""

@@ -1,0 +1,174 @@
+"""Packing tensors into flat buckets and taking them back out.
+
+Every sender and every receiver uses these two pieces, so the byte layout a
+manifest describes is implemented exactly once: ``pack_bucket`` copies each
+entry's element range into a flat buffer, ``Reassembler`` turns received
+buffers back into named tensors of the manifest's shapes.
+
+This module must never communicate or import vLLM or Ray: it is pure tensor
+work, tested on CPU, and the same code runs on GPU buffers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from disagg.errors import TransportError
+from disagg.transport.manifest import BucketPlan, Manifest, TensorSpec
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype for a manifest dtype name such as ``"bfloat16"``."""
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype name {name!r}")
+    return dtype
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The manifest name of a torch dtype: ``torch.bfloat16`` -> ``"bfloat16"``."""
+    return str(dtype).removeprefix("torch.")
+
+
+def bucket_buffers(manifest: Manifest, device: torch.device) -> dict[str, torch.Tensor]:
+    """One flat buffer per dtype, as large as that dtype's largest bucket.
+
+    Buckets are sent one at a time, so each bucket of a dtype reuses the same
+    buffer (sliced to its size): memory is one bucket per dtype, not per bucket.
+    """
+    sizes: dict[str, int] = {}
+    for plan in manifest.buckets:
+        sizes[plan.dtype] = max(sizes.get(plan.dtype, 0), plan.numel)
+    return {dt: torch.empty(n, dtype=torch_dtype(dt), device=device) for dt, n in sizes.items()}
+
+
+def pack_bucket(
+    plan: BucketPlan, tensors: Mapping[str, torch.Tensor], out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Copy the element ranges ``plan`` names into one flat tensor of the plan's dtype.
+
+    ``tensors`` must hold every tensor the plan has an entry for (others are
+    ignored). Sources are read flattened in row-major order; a source whose dtype
+    differs from the plan's is cast during the copy. ``out``, when given, is a 1-D
+    buffer of the plan's dtype with at least ``plan.numel`` elements; the result is
+    its first ``plan.numel`` elements. Without ``out`` the bucket is allocated on
+    the device of the first source tensor.
+    """
+    dtype = torch_dtype(plan.dtype)
+    if out is None:
+        first = tensors[plan.entries[0].name] if plan.entries else None
+        device = first.device if first is not None else torch.device("cpu")
+        out = torch.empty(plan.numel, dtype=dtype, device=device)
+    if out.dim() != 1 or out.dtype != dtype or out.numel() < plan.numel:
+        raise ValueError(
+            f"bucket {plan.index}: out buffer must be 1-D {plan.dtype} with >= {plan.numel} elements, "
+            f"got shape {tuple(out.shape)} {dtype_name(out.dtype)}"
+        )
+    flat_out = out[: plan.numel]
+    for e in plan.entries:
+        if e.name not in tensors:
+            raise KeyError(f"bucket {plan.index} needs tensor {e.name!r}, which was not provided")
+        src = tensors[e.name].reshape(-1)
+        if e.tensor_offset + e.numel > src.numel():
+            raise ValueError(
+                f"bucket {plan.index}: tensor {e.name!r} has {src.numel()} elements, the plan reads "
+                f"[{e.tensor_offset}, {e.tensor_offset + e.numel})"
+            )
+        flat_out[e.bucket_offset : e.bucket_offset + e.numel].copy_(
+            src[e.tensor_offset : e.tensor_offset + e.numel]
+        )
+    return flat_out
+
+
+class Reassembler:
+    """Turns received buckets back into the manifest's named tensors.
+
+    ``feed`` returns the tensors a bucket completes, shaped as the manifest says.
+    A tensor that lies wholly in one bucket is returned as a view into that
+    bucket's buffer (no copy): it is valid only until the buffer is reused, so the
+    caller must load it before receiving the next bucket into the same buffer. A
+    tensor split over several buckets is assembled in a fresh tensor and returned
+    with its last part. Zero-element tensors occupy no bucket; they are returned
+    with the first bucket fed, or by ``finish`` when the manifest has no buckets.
+    """
+
+    def __init__(self, manifest: Manifest, device: torch.device | None = None) -> None:
+        self._manifest = manifest
+        self._device = device
+        self._specs: dict[str, TensorSpec] = {t.name: t for t in manifest.tensors}
+        covered: dict[str, int] = {}
+        for plan in manifest.buckets:
+            for e in plan.entries:
+                spec = self._specs.get(e.name)
+                if spec is None:
+                    raise ValueError(f"bucket {plan.index} names tensor {e.name!r}, absent from the manifest")
+                if spec.dtype != plan.dtype:
+                    raise ValueError(f"bucket {plan.index} is {plan.dtype} but {e.name!r} is {spec.dtype}")
+                covered[e.name] = covered.get(e.name, 0) + e.numel
+        for spec in manifest.tensors:
+            if covered.get(spec.name, 0) != spec.numel:
+                raise ValueError(
+                    f"manifest buckets cover {covered.get(spec.name, 0)} of the {spec.numel} elements of {spec.name!r}"
+                )
+        self._empty = [t for t in manifest.tensors if t.numel == 0]
+        self._partial: dict[str, torch.Tensor] = {}
+        self._received: dict[str, int] = {}
+        self._fed: set[int] = set()
+        self._done: set[str] = set()
+
+    def feed(self, plan: BucketPlan, buf: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """Take one received bucket; return the tensors it completes, in entry order."""
+        if plan.index in self._fed:
+            raise ValueError(f"bucket {plan.index} was fed twice")
+        if buf.dtype != torch_dtype(plan.dtype) or buf.numel() < plan.numel:
+            raise ValueError(
+                f"bucket {plan.index}: buffer is {dtype_name(buf.dtype)} x {buf.numel()}, "
+                f"the plan needs {plan.dtype} x {plan.numel}"
+            )
+        self._fed.add(plan.index)
+        flat = buf.reshape(-1)
+        completed: list[tuple[str, torch.Tensor]] = []
+        if self._empty:
+            completed.extend(self._take_empty(self._device or buf.device))
+        for e in plan.entries:
+            spec = self._specs[e.name]
+            part = flat[e.bucket_offset : e.bucket_offset + e.numel]
+            if e.numel == spec.numel:
+                completed.append((e.name, part.view(spec.shape)))
+                self._done.add(e.name)
+                continue
+            whole = self._partial.get(e.name)
+            if whole is None:
+                whole = torch.empty(spec.numel, dtype=buf.dtype, device=buf.device)
+                self._partial[e.name] = whole
+            whole[e.tensor_offset : e.tensor_offset + e.numel].copy_(part)
+            self._received[e.name] = self._received.get(e.name, 0) + e.numel
+            if self._received[e.name] == spec.numel:
+                completed.append((e.name, self._partial.pop(e.name).view(spec.shape)))
+                del self._received[e.name]
+                self._done.add(e.name)
+        return completed
+
+    def finish(self) -> list[tuple[str, torch.Tensor]]:
+        """Check every tensor was completed; return zero-element tensors not yet emitted.
+
+        Raises ``TransportError`` naming the buckets not fed and the tensors not
+        completed. The returned list is empty unless the manifest has no buckets.
+        """
+        missing_buckets = [p.index for p in self._manifest.buckets if p.index not in self._fed]
+        if missing_buckets:
+            incomplete = [t.name for t in self._manifest.tensors if t.numel and t.name not in self._done]
+            raise TransportError(
+                f"weight sync for policy_version={self._manifest.policy_version} is incomplete: "
+                f"{len(missing_buckets)} of {len(self._manifest.buckets)} buckets not received "
+                f"(first {missing_buckets[:5]}), {len(incomplete)} tensors incomplete (first {incomplete[:5]})"
+            )
+        return self._take_empty(self._device or torch.device("cpu"))
+
+    def _take_empty(self, device: torch.device) -> list[tuple[str, torch.Tensor]]:
+        out = [(t.name, torch.empty(t.shape, dtype=torch_dtype(t.dtype), device=device)) for t in self._empty]
+        self._done.update(t.name for t in self._empty)
+        self._empty = []
+        return out

@@ -1,0 +1,290 @@
+"""A dedicated process group for weight sync, outside torch's default group.
+
+The trainer and the rollout workers live in different processes (often different
+Ray jobs) that must exchange weights without joining one global world, so each
+sync group is built by hand: a ``TCPStore`` hosted by rank 0 under a
+``PrefixStore`` named after the group, then a ``ProcessGroupGloo`` or
+``ProcessGroupNCCL`` on top. Every wait here is bounded: the rendezvous and every
+collective raise ``TransportError`` naming the group, the op and the peers
+instead of hanging.
+
+This module must never initialise torch's default process group (it would claim
+the process for one world) and never import vLLM or Ray.
+
+Failure behaviour measured with gloo (torch 2.13), which shapes the code below:
+a peer that exits makes every rank's next op fail at once ("Connection closed
+by peer"); a peer that is alive but never enters the op makes the others fail
+only when gloo's own per-op timeout fires (a send waits for the receiver to post
+its buffer, so even a tiny broadcast does not complete early). ``Work.wait(t)``
+raising does not cancel the op, ``abort()`` does not stop it, and dropping the
+group blocks until it ends, so gloo's timeout is set equal to ours and a failed
+group is released at once: its peers then fail fast instead of timing out.
+
+With NCCL (torch 2.11, 2 x H200) a small broadcast completes on the root even
+when no receiver takes part (NCCL buffers it), a large one times out here; the
+group is then aborted, which keeps NCCL's watchdog from killing the process.
+NCCL's heartbeat thread polls the store every second, so rank 0 should destroy
+its group last.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from datetime import timedelta
+from typing import NoReturn
+
+import torch
+import torch.distributed as dist
+from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
+
+from disagg.errors import TransportError
+
+log = logging.getLogger(__name__)
+
+# A wait longer than this logs that it is still waiting, then keeps waiting.
+_PROGRESS_LOG_S = 10.0
+# Our wait outlasts gloo's own op timeout by this much, so gloo's error (which
+# says whether a send or a recv stalled) is the one reported.
+_WAIT_GRACE_S = 0.5
+# NCCL's watchdog kills the process when its timeout fires; ours must come first.
+_NCCL_WATCHDOG_MARGIN_S = 60.0
+
+
+def pick_free_port(host: str) -> int:
+    """A TCP port free on ``host`` right now, for rank 0 to host the store on."""
+    family, kind, _, _, addr = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+    with socket.socket(family, kind) as s:
+        s.bind(addr)
+        return int(s.getsockname()[1])
+
+
+def _brief(e: BaseException) -> str:
+    text = str(e).strip()
+    return (text.splitlines()[0] if text else type(e).__name__)[:400]
+
+
+def _local_address(host: str, port: int) -> str:
+    """The local address on the route to ``host``: what peers can reach this rank at."""
+    family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect(addr)  # UDP: picks a route, sends nothing
+        return str(s.getsockname()[0])
+
+
+class TransportGroup:
+    """One weight-sync group: blocking, timed collectives and byte counters."""
+
+    def __init__(self, *, pg: dist.ProcessGroup, store: TCPStore, name: str, rank: int,
+                 world_size: int, backend: str, device: torch.device, timeout_s: float) -> None:
+        self._pg: dist.ProcessGroup | None = pg
+        self._store: TCPStore | None = store  # rank 0 hosts it: keep it alive with the group
+        self.name = name
+        self.rank = rank
+        self.world_size = world_size
+        self.backend = backend
+        self.device = device
+        self.timeout_s = timeout_s
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self._broken: str | None = None
+
+    def broadcast(self, tensor: torch.Tensor, src: int, *, count_bytes: bool = True) -> None:
+        """Broadcast ``tensor`` in place from rank ``src``; blocks until done or raises.
+
+        Every rank of the group must call it with the same ``src`` and size.
+        ``count_bytes=False`` leaves the byte counters alone (control headers).
+        """
+        if not 0 <= src < self.world_size:
+            raise ValueError(f"group {self.name!r}: src={src} outside world of {self.world_size}")
+        if not tensor.is_contiguous():
+            raise ValueError(f"group {self.name!r}: broadcast needs a contiguous tensor")
+        nbytes = tensor.numel() * tensor.element_size()
+        peers = [r for r in range(self.world_size) if r != src]
+        what = f"broadcast of {nbytes} bytes " + (f"to ranks {peers}" if self.rank == src else f"from rank {src}")
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor, opts.timeout = src, 0, timedelta(seconds=self.timeout_s)
+        self._run(lambda pg: pg.broadcast([tensor], opts), what)
+        if count_bytes:
+            if self.rank == src:
+                self.bytes_sent += nbytes
+            else:
+                self.bytes_received += nbytes
+
+    def barrier(self) -> None:
+        """Block until every rank arrives (a one-element allreduce, valid on both backends)."""
+        opts = dist.AllreduceOptions()
+        opts.timeout = timedelta(seconds=self.timeout_s)
+        flag = torch.zeros(1, device=self.device)
+        self._run(lambda pg: pg.allreduce([flag], opts), f"barrier with ranks {list(range(self.world_size))}")
+
+    def destroy(self) -> None:
+        """Release the process group and, on rank 0, the store. Safe to call twice."""
+        self._release_pg()
+        self._store = None
+        if self._broken is None:
+            self._broken = "destroyed"
+
+    def _run(self, start, what: str) -> None:
+        if self._broken is not None or self._pg is None:
+            raise TransportError(f"group {self.name!r} rank {self.rank}/{self.world_size}: cannot run {what}: "
+                                 f"group is unusable ({self._broken}); rebuild it")
+        try:
+            work = start(self._pg)
+        except RuntimeError as e:
+            self._fail(what, _brief(e), e)
+        self._wait(work, what)
+
+    def _wait(self, work: dist.Work, what: str) -> None:
+        t0 = time.monotonic()
+        deadline = t0 + self.timeout_s + (_WAIT_GRACE_S if self.backend == "gloo" else 0.0)
+        next_log = t0 + _PROGRESS_LOG_S
+        pause = 2e-5
+        while True:
+            now = time.monotonic()
+            if now >= deadline:
+                self._fail(what, f"did not complete within {self.timeout_s:.1f} s", None)
+            if now >= next_log:
+                log.warning("[transport:%s:%d] still waiting on %s after %.0f s (timeout %.0f s)",
+                            self.name, self.rank, what, now - t0, self.timeout_s)
+                next_log = now + _PROGRESS_LOG_S
+            if self.backend == "gloo":
+                # Work.wait(t) raises on its own timeout too; is_completed tells the two apart.
+                try:
+                    work.wait(timedelta(seconds=min(deadline, next_log) - now))
+                    return
+                except RuntimeError as e:
+                    if work.is_completed():
+                        self._fail(what, _brief(e), e)
+            elif work.is_completed():
+                # NCCL: wait() on a completed work only re-raises its error, never blocks.
+                try:
+                    work.wait()
+                    return
+                except RuntimeError as e:
+                    self._fail(what, _brief(e), e)
+            else:
+                time.sleep(pause)
+                pause = min(pause * 2, 2e-3)
+
+    def _fail(self, what: str, reason: str, cause: BaseException | None) -> NoReturn:
+        self._broken = f"{what} failed: {reason}"
+        # Releasing closes this rank's connections, so peers blocked on it fail now.
+        self._release_pg()
+        raise TransportError(
+            f"group {self.name!r} rank {self.rank}/{self.world_size}: {what} failed: {reason}") from cause
+
+    def _release_pg(self) -> None:
+        pg, self._pg = self._pg, None
+        if pg is None:
+            return
+        if self.backend == "nccl":
+            pg.abort()  # frees the communicator at once, in flight or not; the watchdog then stays quiet
+        else:
+            pg.shutdown()
+
+
+def create_group(*, host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float,
+                 group_name: str, device: torch.device | None = None) -> TransportGroup:
+    """Join weight-sync group ``group_name``; rank 0 hosts its store on ``host:port``.
+
+    Every rank calls this with the same host, port, world size, backend and name.
+    Raises ``TransportError`` naming the missing ranks when the rendezvous does not
+    complete within ``timeout_s``. ``device`` is the CUDA device for NCCL (default:
+    the current one); gloo groups move CPU tensors.
+    """
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"transport backend must be 'gloo' or 'nccl', got {backend!r}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} outside world of {world_size}")
+    if timeout_s <= 0:
+        raise ValueError(f"transport timeout_s must be > 0, got {timeout_s}")
+    where = f"group {group_name!r} rank {rank}/{world_size} (store {host}:{port})"
+    deadline = time.monotonic() + timeout_s
+    if rank != 0:
+        _await_store(host, port, deadline, timeout_s, where)
+    try:
+        store = TCPStore(host, port, world_size, is_master=(rank == 0), wait_for_workers=False,
+                         timeout=timedelta(seconds=timeout_s))
+    except RuntimeError as e:
+        role = "could not host the store" if rank == 0 else "could not reach the store hosted by rank 0 (missing ranks: [0])"
+        raise TransportError(f"{where}: {role} within {timeout_s:.1f} s: {_brief(e)}") from e
+    prefix = PrefixStore(group_name, store)
+    _join(prefix, rank, world_size, deadline, timeout_s, where)
+
+    if backend == "gloo":
+        device = torch.device("cpu")
+        opts = ProcessGroupGloo._Options()
+        opts._devices = [ProcessGroupGloo.create_device(hostname=_local_address(host, port))]
+        opts._timeout = timedelta(seconds=timeout_s)
+        make = lambda: ProcessGroupGloo(prefix, rank, world_size, opts)  # noqa: E731
+    else:
+        try:
+            from torch.distributed import ProcessGroupNCCL
+        except ImportError as e:
+            raise TransportError(f"{where}: backend 'nccl' needs a CUDA build of torch") from e
+        device = device or torch.device("cuda", torch.cuda.current_device())
+        nccl_opts = ProcessGroupNCCL.Options()
+        nccl_opts._timeout = timedelta(seconds=timeout_s + max(timeout_s, _NCCL_WATCHDOG_MARGIN_S))
+        make = lambda: ProcessGroupNCCL(prefix, rank, world_size, nccl_opts)  # noqa: E731
+    try:
+        pg = make()
+    except RuntimeError as e:
+        raise TransportError(f"{where}: could not connect the {backend} group: {_brief(e)}") from e
+    group = TransportGroup(pg=pg, store=store, name=group_name, rank=rank, world_size=world_size,
+                           backend=backend, device=device, timeout_s=timeout_s)
+    # Every rank has built its group (NCCL: its communicator) before anyone uses it.
+    group.barrier()
+    log.info("[transport:%s:%d] joined %s group of %d", group_name, rank, backend, world_size)
+    return group
+
+
+def _await_store(host: str, port: int, deadline: float, timeout_s: float, where: str) -> None:
+    """Wait until rank 0's store accepts connections, within the deadline.
+
+    TCPStore's own client retries with growing delays and overshot a 3 s timeout
+    by up to 3x in tests, so reachability is probed here first.
+    """
+    next_log = time.monotonic() + _PROGRESS_LOG_S
+    while True:
+        remaining = deadline - time.monotonic()
+        try:
+            with socket.create_connection((host, port), timeout=max(min(remaining, 1.0), 1e-3)):
+                return
+        except OSError as e:
+            if deadline - time.monotonic() <= 0:
+                raise TransportError(f"{where}: could not reach the store hosted by rank 0 within "
+                                     f"{timeout_s:.1f} s (missing ranks: [0]): {e}") from e
+        if time.monotonic() >= next_log:
+            log.warning("[transport] %s: still waiting for rank 0 to host the store", where)
+            next_log = time.monotonic() + _PROGRESS_LOG_S
+        time.sleep(min(0.05, max(deadline - time.monotonic(), 0)))
+
+
+def _join(prefix: PrefixStore, rank: int, world_size: int, deadline: float, timeout_s: float, where: str) -> None:
+    """Store-level rendezvous: each rank writes its key, then polls for everyone's.
+
+    Done before building the process group so that a missing rank is reported by
+    number (the store knows who wrote) rather than as a bare connect timeout. The
+    missing set is refreshed while waiting because rank 0, which hosts the store,
+    may give up first and take the store with it.
+    """
+    keys = [f"disagg_join/{r}" for r in range(world_size)]
+    missing = [r for r in range(world_size) if r != rank]
+    next_log = time.monotonic() + _PROGRESS_LOG_S
+    try:
+        prefix.set(keys[rank], socket.gethostname())
+        while not prefix.check(keys):
+            missing = [r for r, k in enumerate(keys) if not prefix.check([k])]
+            now = time.monotonic()
+            if now >= deadline:
+                raise TransportError(f"{where}: rendezvous did not complete within {timeout_s:.1f} s; "
+                                     f"missing ranks: {missing}")
+            if now >= next_log:
+                log.warning("[transport] %s: still waiting for ranks %s to join", where, missing)
+                next_log = now + _PROGRESS_LOG_S
+            time.sleep(0.02)
+    except RuntimeError as e:
+        raise TransportError(f"{where}: rendezvous failed, lost the store hosted by rank 0 "
+                             f"(it gave up or died: {_brief(e)}); missing ranks when last checked: {missing}") from e

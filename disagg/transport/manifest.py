@@ -1,0 +1,178 @@
+"""The weight manifest: what a sync moves and how it is laid out in buckets.
+
+A manifest is the contract between the trainer (sender) and every receiver:
+the tensors in send order, their shapes and dtypes, and the bucket plan that
+says which element range of which tensor sits where in which flat bucket.
+Planning is a pure function of the tensor specs and the bucket size, so both
+sides can check they agree (``layout_digest``) before any byte moves.
+
+This module must stay free of torch and grpc: it is imported by the control
+plane, the planner tests and the CLI.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+
+# Bytes per element for the dtypes a manifest may carry (torch dtype names).
+DTYPE_BYTES: dict[str, int] = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float64": 8,
+    "int64": 8,
+    "int32": 4,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+}
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor as the receiver's model names it."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # torch dtype name without the "torch." prefix, e.g. "bfloat16"
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * DTYPE_BYTES[self.dtype]
+
+
+@dataclass(frozen=True)
+class BucketEntry:
+    """A contiguous element range of one tensor placed in a bucket.
+
+    ``tensor_offset`` counts elements into the flattened tensor, ``bucket_offset``
+    elements into the bucket. A tensor larger than a bucket is split into several
+    entries in consecutive buckets.
+    """
+
+    name: str
+    tensor_offset: int
+    bucket_offset: int
+    numel: int
+
+
+@dataclass(frozen=True)
+class BucketPlan:
+    """One flat buffer of a single dtype, sent in one broadcast."""
+
+    index: int
+    dtype: str
+    numel: int
+    entries: tuple[BucketEntry, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * DTYPE_BYTES[self.dtype]
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """Everything a receiver needs to take one policy version off the wire."""
+
+    policy_version: int
+    bucket_bytes: int
+    tensors: tuple[TensorSpec, ...]
+    buckets: tuple[BucketPlan, ...]
+    total_bytes: int = field(default=0)
+
+    def layout_digest(self) -> str:
+        """Hash of names, shapes, dtypes and bucket layout (not the version)."""
+        d = self.to_dict()
+        d.pop("policy_version")
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+    def with_version(self, policy_version: int) -> "Manifest":
+        return Manifest(policy_version, self.bucket_bytes, self.tensors, self.buckets, self.total_bytes)
+
+    def spec(self, name: str) -> TensorSpec:
+        for t in self.tensors:
+            if t.name == name:
+                return t
+        raise KeyError(name)
+
+    def to_dict(self) -> dict:
+        return {
+            "policy_version": self.policy_version,
+            "bucket_bytes": self.bucket_bytes,
+            "total_bytes": self.total_bytes,
+            "tensors": [[t.name, list(t.shape), t.dtype] for t in self.tensors],
+            "buckets": [
+                [b.index, b.dtype, b.numel, [[e.name, e.tensor_offset, e.bucket_offset, e.numel] for e in b.entries]]
+                for b in self.buckets
+            ],
+        }
+
+    @staticmethod
+    def from_dict(d: dict) -> "Manifest":
+        return Manifest(
+            policy_version=int(d["policy_version"]),
+            bucket_bytes=int(d["bucket_bytes"]),
+            total_bytes=int(d["total_bytes"]),
+            tensors=tuple(TensorSpec(n, tuple(int(x) for x in s), dt) for n, s, dt in d["tensors"]),
+            buckets=tuple(
+                BucketPlan(int(i), dt, int(n), tuple(BucketEntry(en, int(to), int(bo), int(ne)) for en, to, bo, ne in ents))
+                for i, dt, n, ents in d["buckets"]
+            ),
+        )
+
+
+def plan_buckets(specs: list[TensorSpec], bucket_bytes: int, policy_version: int = 0) -> Manifest:
+    """Lay tensors out in flat single-dtype buckets of at most ``bucket_bytes``.
+
+    Tensors keep their order within a dtype; dtypes are laid out in order of first
+    appearance. A tensor that does not fit in the space left is split across
+    consecutive buckets, so every bucket but the last of a dtype is full. Pure.
+    """
+    if bucket_bytes <= 0:
+        raise ValueError(f"transport.bucket_bytes must be > 0, got {bucket_bytes}")
+    seen: set[str] = set()
+    by_dtype: dict[str, list[TensorSpec]] = {}
+    for s in specs:
+        if s.name in seen:
+            raise ValueError(f"duplicate tensor name in manifest: {s.name!r}")
+        if s.dtype not in DTYPE_BYTES:
+            raise ValueError(f"unsupported dtype {s.dtype!r} for tensor {s.name!r}")
+        seen.add(s.name)
+        by_dtype.setdefault(s.dtype, []).append(s)
+
+    buckets: list[BucketPlan] = []
+    for dtype, group in by_dtype.items():
+        cap = bucket_bytes // DTYPE_BYTES[dtype]
+        if cap == 0:
+            raise ValueError(f"transport.bucket_bytes={bucket_bytes} is smaller than one {dtype} element")
+        entries: list[BucketEntry] = []
+        fill = 0
+
+        def close() -> None:
+            nonlocal entries, fill
+            if entries:
+                buckets.append(BucketPlan(len(buckets), dtype, fill, tuple(entries)))
+            entries, fill = [], 0
+
+        for s in group:
+            done = 0
+            while done < s.numel:
+                take = min(s.numel - done, cap - fill)
+                entries.append(BucketEntry(s.name, done, fill, take))
+                fill += take
+                done += take
+                if fill == cap:
+                    close()
+        close()
+
+    total = sum(s.nbytes for s in specs)
+    return Manifest(policy_version, bucket_bytes, tuple(specs), tuple(buckets), total)

@@ -1,0 +1,135 @@
+"""The receiving side of a weight sync: check the header, take buckets, load.
+
+``receive_weights`` is the one receive loop every receiver runs (the vLLM worker,
+the GPU benchmarks, the tests); only the ``load_fn`` differs. ``TorchModelReceiver``
+is the ``load_fn`` for a plain ``torch.nn.Module``, used where vLLM cannot run.
+
+This module must never load a bucket whose header did not match its manifest,
+and never import vLLM or Ray.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from disagg.errors import TransportError
+from disagg.transport.buckets import Reassembler, bucket_buffers
+from disagg.transport.group import TransportGroup
+from disagg.transport.manifest import Manifest
+from disagg.transport.sender import header_for
+
+log = logging.getLogger(__name__)
+
+LoadFn = Callable[[list[tuple[str, torch.Tensor]]], None]
+
+
+@dataclass(frozen=True)
+class ReceiveStats:
+    bytes: int  # payload bytes received (the manifest's total_bytes)
+    seconds: float  # wall time from the header to the last load
+    num_buckets: int
+    num_tensors: int  # tensors handed to load_fn
+
+
+def receive_weights(
+    group: TransportGroup,
+    manifest: Manifest,
+    load_fn: LoadFn,
+    device: torch.device = torch.device("cpu"),
+    src: int = 0,
+) -> ReceiveStats:
+    """Receive one policy version from rank ``src`` and hand it to ``load_fn``.
+
+    ``load_fn`` is called after each bucket with the tensors that bucket
+    completed; tensors may be views into a reused receive buffer, so it must
+    copy what it keeps before returning. Raises ``TransportError`` if the
+    sender's header disagrees with ``manifest`` (the group is then out of step
+    and must be destroyed) or if a broadcast fails.
+    """
+    if group.rank == src:
+        raise ValueError(f"receive_weights runs on receivers; rank {src} is the sender")
+    t0 = time.perf_counter()
+    header = torch.zeros(3, dtype=torch.int64, device=device)
+    group.broadcast(header, src, count_bytes=False)
+    got, want = header.tolist(), header_for(manifest)
+    if got != want:
+        fields = ("policy_version", "num_buckets", "layout crc")
+        diffs = ", ".join(f"{f} sender={g} receiver={w}" for f, g, w in zip(fields, got, want) if g != w)
+        raise TransportError(
+            f"group {group.name!r} rank {group.rank}: the sender's manifest does not match this "
+            f"receiver's ({diffs}); refusing to load"
+        )
+    reassembler = Reassembler(manifest, device=device)
+    buffers = bucket_buffers(manifest, device)
+    num_tensors = 0
+    for plan in manifest.buckets:
+        buf = buffers[plan.dtype][: plan.numel]
+        group.broadcast(buf, src)
+        done = reassembler.feed(plan, buf)
+        if done:
+            load_fn(done)
+            num_tensors += len(done)
+    rest = reassembler.finish()
+    if rest:
+        load_fn(rest)
+        num_tensors += len(rest)
+    stats = ReceiveStats(bytes=sum(p.nbytes for p in manifest.buckets), seconds=time.perf_counter() - t0,
+                         num_buckets=len(manifest.buckets), num_tensors=num_tensors)
+    log.debug("[transport:%s:%d] received policy_version=%d: %d tensors in %d buckets, %.1f MiB in %.3f s",
+             group.name, group.rank, manifest.policy_version, num_tensors, stats.num_buckets,
+             stats.bytes / 2**20, stats.seconds)
+    return stats
+
+
+class TorchModelReceiver:
+    """A ``load_fn`` that copies received tensors into a module's state dict by name.
+
+    Use ``TorchModelReceiver.load_into_module(module)``. Tensors are cast to the
+    module's dtype on copy; an unknown name or a shape mismatch raises
+    ``ValueError`` naming it. ``loaded`` records the names written, so a caller
+    can check with ``assert_complete`` that no entry kept its old (e.g. dummy)
+    values.
+    """
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self._targets = module.state_dict(keep_vars=True)
+        self.loaded: set[str] = set()
+
+    @classmethod
+    def load_into_module(cls, module: torch.nn.Module) -> "TorchModelReceiver":
+        return cls(module)
+
+    def check_manifest(self, manifest: Manifest) -> None:
+        """Raise before any byte moves if ``manifest`` does not fit the module."""
+        problems = [self._problem(t.name, t.shape) for t in manifest.tensors]
+        problems = [p for p in problems if p]
+        if problems:
+            raise ValueError(f"manifest does not fit the module: {'; '.join(problems[:10])}")
+
+    def __call__(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        with torch.no_grad():
+            for name, tensor in tensors:
+                problem = self._problem(name, tuple(tensor.shape))
+                if problem:
+                    raise ValueError(problem)
+                self._targets[name].copy_(tensor)
+                self.loaded.add(name)
+
+    def assert_complete(self) -> None:
+        """Raise naming the state-dict entries no received tensor was loaded into."""
+        missing = sorted(set(self._targets) - self.loaded)
+        if missing:
+            raise ValueError(f"{len(missing)} module entries were never loaded (first {missing[:5]})")
+
+    def _problem(self, name: str, shape: tuple[int, ...]) -> str | None:
+        target = self._targets.get(name)
+        if target is None:
+            return f"unknown tensor name {name!r} (not in the module's state dict)"
+        if tuple(target.shape) != tuple(shape):
+            return f"shape mismatch for {name!r}: received {tuple(shape)}, module has {tuple(target.shape)}"
+        return None

@@ -1,0 +1,151 @@
+"""The trainer's side of a weight sync: plan the manifest, broadcast the buckets.
+
+The sender is rank ``src`` of a ``TransportGroup``. Before the buckets it
+broadcasts a three-number header (policy version, bucket count, checksum of the
+layout digest) so that a receiver holding a different manifest raises
+``TransportError`` instead of loading garbage. The sender itself cannot see that
+mismatch: it only sees the receiver leave, as a failed broadcast.
+
+This module must never gather sharded (FSDP/DTensor) weights itself: the trainer
+hands it full tensors. It never imports vLLM or Ray.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import zlib
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from disagg.transport.buckets import bucket_buffers, dtype_name, pack_bucket, torch_dtype
+from disagg.transport.group import TransportGroup
+from disagg.transport.manifest import DTYPE_BYTES, BucketPlan, Manifest, TensorSpec, plan_buckets
+
+log = logging.getLogger(__name__)
+
+NamedTensors = Mapping[str, torch.Tensor] | Callable[[], Iterable[tuple[str, torch.Tensor]]]
+
+
+@dataclass(frozen=True)
+class SendStats:
+    bytes: int  # payload bytes broadcast (the manifest's total_bytes)
+    seconds: float  # wall time of the whole send, header included
+    num_buckets: int
+
+
+def header_for(manifest: Manifest) -> list[int]:
+    """The int64 header sent before the buckets: [policy_version, num_buckets, layout crc]."""
+    return [manifest.policy_version, len(manifest.buckets), zlib.crc32(manifest.layout_digest().encode())]
+
+
+def build_manifest(
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    bucket_bytes: int,
+    policy_version: int,
+    dtype_override: str | None = None,
+) -> Manifest:
+    """Plan a manifest from names, shapes and dtypes (no data is read).
+
+    A DTensor contributes its global shape. ``dtype_override`` (e.g. ``"bfloat16"``)
+    applies to floating-point tensors only; integer and bool buffers keep theirs.
+    """
+    if dtype_override is not None and not (
+        dtype_override in DTYPE_BYTES and torch_dtype(dtype_override).is_floating_point
+    ):
+        raise ValueError(f"transport.dtype_override must be a floating dtype name, got {dtype_override!r}")
+    specs = []
+    for name, t in named_tensors:
+        dtype = dtype_override if dtype_override and t.dtype.is_floating_point else dtype_name(t.dtype)
+        specs.append(TensorSpec(name, tuple(int(d) for d in t.shape), dtype))
+    return plan_buckets(specs, bucket_bytes, policy_version)
+
+
+class _TensorSource:
+    """Hands out the tensors each bucket needs, pulling lazily from an iterator.
+
+    Tensors are kept only until the last bucket that reads them has been sent.
+    With an iterator, a tensor that arrives before it is needed (another dtype's
+    buckets come first) is held until then.
+    """
+
+    def __init__(self, manifest: Manifest, named_tensors: NamedTensors) -> None:
+        self._specs = {t.name: t for t in manifest.tensors}
+        self._last_use: dict[str, int] = {}
+        for plan in manifest.buckets:
+            for e in plan.entries:
+                self._last_use[e.name] = plan.index
+        self._held: dict[str, torch.Tensor] = {}
+        self._iter: Iterator[tuple[str, torch.Tensor]] | None = None
+        if isinstance(named_tensors, Mapping):
+            for name in self._last_use:
+                if name not in named_tensors:
+                    raise ValueError(f"tensor {name!r} is in the manifest but not in the tensors to send")
+                self._held[name] = self._checked(name, named_tensors[name])
+        else:
+            self._iter = iter(named_tensors())
+
+    def take(self, plan: BucketPlan) -> dict[str, torch.Tensor]:
+        for e in plan.entries:
+            while e.name not in self._held:
+                self._pull(e.name)
+        return {e.name: self._held[e.name] for e in plan.entries}
+
+    def release(self, plan: BucketPlan) -> None:
+        for e in plan.entries:
+            if self._last_use[e.name] == plan.index:
+                self._held.pop(e.name, None)
+
+    def _pull(self, wanted: str) -> None:
+        assert self._iter is not None
+        for name, tensor in self._iter:
+            if name in self._last_use:
+                self._held[name] = self._checked(name, tensor)
+                return
+            if name not in self._specs:
+                raise ValueError(f"tensor {name!r} is not in the manifest")
+        raise ValueError(f"tensor {wanted!r} is in the manifest but was never produced by named_tensors")
+
+    def _checked(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        spec = self._specs[name]
+        if tuple(tensor.shape) != spec.shape:
+            raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, the manifest says {spec.shape}")
+        # One copy here, not one per bucket when a non-contiguous tensor is split.
+        return tensor.contiguous()
+
+
+class WeightSender:
+    """Broadcasts one policy version's buckets from rank ``src`` of ``group``."""
+
+    def __init__(self, group: TransportGroup, src: int = 0) -> None:
+        if group.rank != src:
+            raise ValueError(f"WeightSender must run on the source rank {src}, this is rank {group.rank}")
+        self.group = group
+        self.src = src
+
+    def send(self, manifest: Manifest, named_tensors: NamedTensors) -> SendStats:
+        """Send every bucket of ``manifest`` in order; every receiver must be receiving.
+
+        ``named_tensors`` is a mapping name -> full tensor, or a callable returning
+        an iterable of (name, tensor) in manifest order. Raises ``ValueError`` for a
+        tensor missing or of the wrong shape (receivers then time out), and
+        ``TransportError`` when a broadcast fails.
+        """
+        t0 = time.perf_counter()
+        source = _TensorSource(manifest, named_tensors)
+        header = torch.tensor(header_for(manifest), dtype=torch.int64, device=self.group.device)
+        self.group.broadcast(header, self.src, count_bytes=False)
+        buffers = bucket_buffers(manifest, self.group.device)
+        for plan in manifest.buckets:
+            packed = pack_bucket(plan, source.take(plan), out=buffers[plan.dtype])
+            self.group.broadcast(packed, self.src)
+            source.release(plan)
+        seconds = time.perf_counter() - t0
+        stats = SendStats(bytes=sum(p.nbytes for p in manifest.buckets), seconds=seconds,
+                          num_buckets=len(manifest.buckets))
+        log.debug("[transport:%s:%d] sent policy_version=%d: %d buckets, %.1f MiB in %.3f s",
+                 self.group.name, self.group.rank, manifest.policy_version, stats.num_buckets,
+                 stats.bytes / 2**20, seconds)
+        return stats

@@ -1,0 +1,60 @@
+"""Shared fixtures: a small config, the warm-started tiny model (built once per
+session), and one local Ray cluster for the whole session."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+
+# Small, fast settings every integration test starts from.
+SMALL = {
+    "trainer": {"total_steps": 3, "micro_batch_size": 32},
+    "rollout": {"max_model_len": 32, "max_tokens": 8},
+    "algorithm": {"group_size": 4, "prompts_per_step": 4},
+    "model": {"warmstart": {"steps": 30}},
+    "logging": {"tensorboard": True, "progress": False},
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA GPUs (run on the GPU machines)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def model_cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("model-cache")
+
+
+def small_config(model_cache: Path, **overrides):
+    """A validated Config from SMALL plus nested overrides."""
+    from disagg.config import load_config
+
+    data = {k: dict(v) for k, v in SMALL.items()}
+    data["model"] = {**data["model"], "cache_dir": str(model_cache)}
+    for section, values in overrides.items():
+        if isinstance(values, dict):
+            data.setdefault(section, {}).update(values)
+        else:
+            data[section] = values
+    return load_config(data)
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=True)
+    yield ray
+    ray.shutdown()

@@ -1,0 +1,179 @@
+"""The spine on real parts: Ray placement groups, a vLLM engine on dummy weights,
+a gloo transport group, the gRPC coordinator. One Job (1 trainer + 1 engine) is
+shared by the module; tests run in file order because the first one must see
+the engine before its first sync."""
+
+from __future__ import annotations
+
+import pytest
+
+from disagg.rollout.types import GenRequest, SamplingSpec
+from disagg.samples import TrainSample
+from tests.conftest import small_config
+
+PROMPTS = ["1234=", "9876=", "5555=", "0192=", "31=", "70707="]
+
+
+@pytest.fixture(scope="module")
+def job(ray_session, model_cache, tmp_path_factory):
+    from disagg.job import Job
+    from disagg.model.warmstart import prepare_model
+
+    # A large learning rate so one optimizer step visibly moves the policy.
+    cfg = small_config(model_cache, trainer={"lr": 5e-2, "grad_clip": 0.0})
+    run_dir = tmp_path_factory.mktemp("spine-run")
+    j = Job.start(cfg, run_dir, prepare_model(cfg))
+    yield j
+    j.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tok(job):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(job.model_path)
+
+
+def _ids(tok, text):
+    return [tok.bos_token_id] + tok.encode(text, add_special_tokens=False)
+
+
+def _greedy_requests(tok, tag):
+    spec = SamplingSpec(max_tokens=8, greedy=True)
+    return [GenRequest(f"{tag}-{i}", tuple(_ids(tok, p)), spec) for i, p in enumerate(PROMPTS)]
+
+
+def _vllm_vs_hf(job, tok, tag):
+    import ray
+
+    res = ray.get(job.rollout.engines[0].generate.remote(_greedy_requests(tok, tag)), timeout=120)
+    prompts = [_ids(tok, p) for p in PROMPTS]
+    hf = ray.get(job.trainer.rank0.greedy.remote(prompts, 8, tok.eos_token_id), timeout=120)
+    vllm_ids = [r.completions[0].response_ids for r in res]
+    samples = [TrainSample(p, v, r.completions[0].logprobs, 0.0, 0.0, r.min_version)
+               for p, v, r in zip(prompts, vllm_ids, res)]
+    hf_lp = ray.get(job.trainer.rank0.logprobs.remote(samples), timeout=120)
+    return res, vllm_ids, hf, [r.completions[0].logprobs for r in res], hf_lp
+
+
+def test_request_before_first_sync_waits_for_it(job, tok):
+    import ray
+
+    assert job.coordinator.state.committed_version() == 0
+    engine = job.rollout.engines[0]
+    ref = engine.generate.remote(_greedy_requests(tok, "early")[:2])
+    ready, _ = ray.wait([ref], timeout=3.0)
+    assert not ready, "a request was answered before any weights were synced (dummy weights served)"
+    assert ray.get(engine.get_version.remote())["loaded"] is False
+
+    sync = job.sync_weights(1, trainer_step=0)
+    res = ray.get(ref, timeout=60)
+    assert all(r.min_version >= 1 and r.completions for r in res)
+    info = ray.get(engine.get_version.remote())
+    assert info["policy_version"] == 1 and info["vllm_weight_version"] == "1"
+    assert job.coordinator.state.committed_version() == 1
+    assert sync.bytes > 0
+
+
+def test_vllm_greedy_matches_hf_before_and_after_an_optimizer_step(job, tok):
+    import ray
+
+    res1, v1, hf1, vlp1, hflp1 = _vllm_vs_hf(job, tok, "g1")
+    assert v1 == hf1
+    for a, b in zip(vlp1, hflp1):
+        assert a == pytest.approx(b, abs=2e-4)
+
+    # One GRPO step on sampled rollouts with non-trivial advantages.
+    spec = SamplingSpec(max_tokens=8, temperature=1.0, n=4, seed=3)
+    reqs = [GenRequest(f"t-{i}", tuple(_ids(tok, p)), spec) for i, p in enumerate(PROMPTS)]
+    out = ray.get(job.rollout.engines[0].generate.remote(reqs), timeout=120)
+    samples = []
+    for r in out:
+        for k, c in enumerate(r.completions):
+            samples.append(TrainSample(list(r.prompt_ids), c.response_ids, c.logprobs, 1.0 if k % 2 else -1.0,
+                                       0.0, r.min_version))
+    before = ray.get(job.trainer.rank0.param_checksum.remote())
+    job.trainer.train_step(samples)
+    assert ray.get(job.trainer.rank0.param_checksum.remote()) != before
+    job.sync_weights(2, trainer_step=1)
+
+    res2, v2, hf2, vlp2, hflp2 = _vllm_vs_hf(job, tok, "g2")
+    assert v2 == hf2
+    for a, b in zip(vlp2, hflp2):
+        assert a == pytest.approx(b, abs=2e-4)
+    assert all(r.min_version == 2 for r in res2)
+    # The policy changed on both sides: the same greedy tokens now have other log-probs.
+    moved = [abs(x - y) for a, b in zip(vlp1, vlp2) for x, y in zip(a, b)]
+    assert v1 != v2 or max(moved) > 1e-3
+
+
+def test_trainer_and_engines_live_in_two_placement_groups(job):
+    import ray
+
+    t_pg = ray.get([w.placement_group_id.remote() for w in job.trainer.workers])
+    e_pg = ray.get([e.placement_group_id.remote() for e in job.rollout.engines])
+    assert set(t_pg) == {job.pools.trainer_pg.id.hex()}
+    assert set(e_pg) == {job.pools.rollout_pg.id.hex()}
+    assert job.pools.trainer_pg.id != job.pools.rollout_pg.id
+
+
+def _plasma_created_bytes(ray) -> int:
+    from ray._private.internal_api import get_memory_info_reply, get_state_from_address
+
+    addr = ray.get_runtime_context().gcs_address
+    return int(get_memory_info_reply(get_state_from_address(addr)).store_stats.cumulative_created_bytes)
+
+
+def test_weight_sync_moves_no_parameter_bytes_through_the_object_store(job):
+    import numpy as np
+    import ray
+
+    from disagg.transport.manifest import Manifest
+
+    manifest = Manifest.from_dict(ray.get(job.trainer.rank0.manifest.remote(3)))
+    created_before = _plasma_created_bytes(ray)
+    sync = job.sync_weights(3, trainer_step=2)
+    created_during = _plasma_created_bytes(ray) - created_before
+    # Every parameter byte went over the transport group, exactly once per receiver...
+    assert sync.bytes == manifest.total_bytes
+    stats = ray.get(job.rollout.engines[0].get_transfer_stats.remote())
+    assert stats["bytes"] == manifest.total_bytes and stats["policy_version"] == 3
+    # ...and none through Ray's object store.
+    assert created_during < manifest.total_bytes / 10
+    # The measurement is live: the same bytes put into the object store do show up.
+    ref = ray.put(np.zeros(manifest.total_bytes, dtype=np.uint8))
+    assert _plasma_created_bytes(ray) - created_before >= manifest.total_bytes
+    del ref
+
+
+def test_prompt_over_engine_limit_is_dropped_and_counted(job, tok):
+    import ray
+
+    from disagg.scoring import Scorer
+    from disagg.tasks.reverse import reverse_digits_reward
+
+    limit = job.cfg.rollout.max_model_len
+    spec = SamplingSpec(max_tokens=4, temperature=1.0, n=job.cfg.algorithm.group_size)
+    long_ids = tuple(_ids(tok, "1" * (limit + 5) + "="))
+    reqs = [GenRequest("long", long_ids, spec), GenRequest("ok", tuple(_ids(tok, "12=")), spec)]
+    engine = job.rollout.engines[0]
+    before = ray.get(engine.get_stats.remote())["dropped_prompt_too_long"]
+    res = ray.get(engine.generate.remote(reqs), timeout=120)
+    assert res[0].dropped == "prompt_too_long" and not res[0].completions
+    assert str(limit) in res[0].detail
+    assert len(res[1].completions) == job.cfg.algorithm.group_size
+    assert ray.get(engine.get_stats.remote())["dropped_prompt_too_long"] == before + 1
+    batch = Scorer(reverse_digits_reward, lambda ids: tok.decode(ids, skip_special_tokens=True),
+                   job.cfg.algorithm).score(res, [{"answer": "x" * (limit + 5)}, {"answer": "21"}])
+    assert batch.counts["dropped_prompt_too_long"] == 1
+    assert len(batch.samples) == job.cfg.algorithm.group_size
+
+
+def test_coordinator_status_lists_engine_and_committed_version(job):
+    from disagg.control.client import CoordinatorClient
+
+    status = CoordinatorClient(job.coordinator.address, timeout_s=10).get_status()
+    assert status.committed_version == status.latest_version >= 1
+    assert [e.engine_id for e in status.engines] == [0]
+    assert status.engines[0].policy_version == status.committed_version
+    assert {p.name for p in status.pools} == {"trainer", "rollout"}

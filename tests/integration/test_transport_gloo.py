@@ -1,0 +1,220 @@
+"""Weight sync over real gloo groups between real (spawned) processes.
+
+Rank 0 sends, ranks 1.. receive. Each scenario's process body is a module-level
+function (spawn pickles targets by name) that reports a small dict to the parent
+through a queue; the parent asserts on those reports.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import re
+import time
+
+import pytest
+import torch
+
+from disagg.errors import TransportError
+from disagg.transport.group import create_group, pick_free_port
+from disagg.transport.receiver import TorchModelReceiver, receive_weights
+from disagg.transport.sender import WeightSender, build_manifest
+
+HOST = "127.0.0.1"
+BUCKET_BYTES = 4096
+TIMEOUT_S = 3.0
+
+
+class _Net(torch.nn.Module):
+    """Mixed dtypes, an odd shape, a tensor 3.5 buckets long and an empty buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(50, 16, dtype=torch.bfloat16)
+        self.proj = torch.nn.Linear(16, 7)
+        self.big = torch.nn.Parameter(torch.zeros(64, 56))  # 14336 bytes = 3.5 x BUCKET_BYTES
+        self.odd = torch.nn.Parameter(torch.zeros(7, 13, dtype=torch.float16))
+        self.register_buffer("steps", torch.zeros(5, dtype=torch.int64))
+        self.register_buffer("empty", torch.zeros(0, 4))
+
+
+def _weights(seed: int) -> dict[str, torch.Tensor]:
+    """The sender's tensors for ``seed``; receivers regenerate them to compare."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, t in _Net().state_dict().items():
+        if t.dtype.is_floating_point:
+            out[name] = torch.randn(t.shape, generator=gen).to(t.dtype)
+        else:
+            out[name] = torch.randint(-(2**40), 2**40, t.shape, generator=gen, dtype=t.dtype)
+    return out
+
+
+def _zeroed_net() -> _Net:
+    net = _Net()
+    with torch.no_grad():
+        for t in net.state_dict().values():
+            t.zero_()
+    return net
+
+
+def _group(rank: int, world: int, port: int, timeout_s: float = TIMEOUT_S):
+    return create_group(host=HOST, port=port, rank=rank, world_size=world, backend="gloo",
+                        timeout_s=timeout_s, group_name="weights", device=None)
+
+
+def _sync(rank: int, world: int, port: int) -> dict:
+    group = _group(rank, world, port)
+    try:
+        if rank == 0:
+            sender = WeightSender(group)
+            w7 = _weights(7)
+            m7 = build_manifest(w7.items(), BUCKET_BYTES, policy_version=7)
+            s7 = sender.send(m7, lambda: iter(w7.items()))  # lazy source
+            s8 = sender.send(m7.with_version(8), _weights(8))  # mapping source
+            return {"bytes_sent": group.bytes_sent, "total_bytes": m7.total_bytes,
+                    "stats_bytes": [s7.bytes, s8.bytes], "num_buckets": [s7.num_buckets, len(m7.buckets)]}
+        equal, num_tensors = [], []
+        for version in (7, 8):
+            net = _zeroed_net()
+            load_fn = TorchModelReceiver.load_into_module(net)
+            manifest = build_manifest(net.state_dict().items(), BUCKET_BYTES, policy_version=version)
+            load_fn.check_manifest(manifest)
+            stats = receive_weights(group, manifest, load_fn)
+            load_fn.assert_complete()
+            got = net.state_dict()
+            equal.append({k: torch.equal(got[k], v) for k, v in _weights(version).items()})
+            num_tensors.append(stats.num_tensors)
+        return {"equal": equal, "num_tensors": num_tensors, "bytes_received": group.bytes_received,
+                "num_entries": len(_Net().state_dict())}
+    finally:
+        group.destroy()
+
+
+def _mismatch(rank: int, world: int, port: int) -> dict:
+    group = _group(rank, world, port)
+    try:
+        if rank == 0:
+            w = _weights(1)
+            WeightSender(group).send(build_manifest(w.items(), BUCKET_BYTES, policy_version=1), w)
+            return {}
+        # Rank 2 planned with another bucket size: same tensors, different layout.
+        net = _zeroed_net()
+        bucket_bytes = BUCKET_BYTES if rank == 1 else BUCKET_BYTES // 2
+        manifest = build_manifest(net.state_dict().items(), bucket_bytes, policy_version=1)
+        receive_weights(group, manifest, TorchModelReceiver.load_into_module(net))
+        return {"loaded_nonzero": any(bool(t.any()) for t in net.state_dict().values())}
+    finally:
+        group.destroy()
+
+
+def _absent_peer(rank: int, world: int, port: int) -> dict:
+    _group(rank, world, port).destroy()
+    return {}
+
+
+KILL_TENSORS = {"head": torch.arange(10.0), "big": torch.ones(1 << 22)}  # 16 MiB in 256 buckets
+KILL_BUCKET_BYTES = 64 << 10
+KILL_TIMEOUT_S = 10.0
+
+
+def _kill_receiver(rank: int, world: int, port: int) -> dict:
+    group = _group(rank, world, port, timeout_s=KILL_TIMEOUT_S)
+    manifest = build_manifest(KILL_TENSORS.items(), KILL_BUCKET_BYTES, policy_version=3)
+    try:
+        if rank == 0:
+            t0 = time.monotonic()
+            try:
+                WeightSender(group).send(manifest, KILL_TENSORS)
+            except TransportError as e:
+                return {"raised": "TransportError", "error": str(e), "send_s": time.monotonic() - t0}
+            return {"raised": None, "send_s": time.monotonic() - t0}
+
+        def load_fn(done: list[tuple[str, torch.Tensor]]) -> None:
+            if rank == 2:  # "head" completes with the first bucket: die mid-sync
+                os._exit(17)
+
+        receive_weights(group, manifest, load_fn)
+        return {}
+    finally:
+        group.destroy()
+
+
+def _child(target, rank: int, world: int, port: int, results) -> None:
+    t0 = time.monotonic()
+    try:
+        out = {"ok": True, **target(rank, world, port)}
+    except Exception as e:  # reported to the parent, which asserts on it
+        out = {"ok": False, "error_type": type(e).__name__, "error": str(e)}
+    out["elapsed_s"] = time.monotonic() - t0
+    results.put((rank, out))
+
+
+def _spawn(target, world: int, ranks: list[int], limit_s: float = 40.0) -> tuple[dict[int, dict], dict[int, int]]:
+    """Run ``target`` on ``ranks`` of a world of ``world``; return reports and exit codes."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = pick_free_port(HOST)
+    procs = {r: ctx.Process(target=_child, args=(target, r, world, port, results), daemon=True) for r in ranks}
+    for p in procs.values():
+        p.start()
+    reports: dict[int, dict] = {}
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline and (any(p.is_alive() for p in procs.values()) or not results.empty()):
+        try:
+            rank, out = results.get(timeout=0.2)
+            reports[rank] = out
+        except queue.Empty:
+            pass
+    for p in procs.values():
+        if p.is_alive():
+            p.kill()
+        p.join(5)
+    return reports, {r: p.exitcode for r, p in procs.items()}
+
+
+def test_sync_mixed_dtypes_to_two_receivers() -> None:
+    reports, codes = _spawn(_sync, world=3, ranks=[0, 1, 2])
+    assert codes == {0: 0, 1: 0, 2: 0}, reports
+    assert all(reports[r]["ok"] for r in (0, 1, 2)), reports
+    sender = reports[0]
+    assert sender["stats_bytes"] == [sender["total_bytes"]] * 2
+    assert sender["bytes_sent"] == 2 * sender["total_bytes"]
+    assert sender["num_buckets"][0] == sender["num_buckets"][1] > 4
+    for r in (1, 2):
+        rx = reports[r]
+        assert rx["bytes_received"] == sender["bytes_sent"]
+        assert rx["num_tensors"] == [rx["num_entries"]] * 2
+        for per_version in rx["equal"]:
+            assert per_version and all(per_version.values()), per_version
+
+
+def test_receiver_with_mismatching_manifest_refuses() -> None:
+    reports, _ = _spawn(_mismatch, world=3, ranks=[0, 1, 2])
+    bad = reports[2]
+    assert bad["error_type"] == "TransportError" and "layout crc" in bad["error"], bad
+    # The sender sees the mismatch only as rank 2 leaving: its send fails, never succeeds.
+    assert reports[0]["error_type"] == "TransportError", reports[0]
+    assert reports[0]["elapsed_s"] < TIMEOUT_S * 2 + 2.0
+
+
+@pytest.mark.parametrize("absent", [0, 2])
+def test_rendezvous_with_absent_rank_times_out(absent: int) -> None:
+    present = [r for r in range(3) if r != absent]
+    reports, _ = _spawn(_absent_peer, world=3, ranks=present)
+    for r in present:
+        assert reports[r]["error_type"] == "TransportError", reports[r]
+        assert re.search(rf"missing ranks[^\[]*: \[{absent}\]", reports[r]["error"]), reports[r]
+        assert "'weights'" in reports[r]["error"]
+        assert reports[r]["elapsed_s"] < TIMEOUT_S + 2.0, reports[r]
+
+
+def test_receiver_dying_mid_sync_fails_the_sender_fast() -> None:
+    reports, codes = _spawn(_kill_receiver, world=3, ranks=[0, 1, 2])
+    assert codes[2] == 17
+    sender = reports[0]
+    assert sender["raised"] == "TransportError", sender
+    assert sender["send_s"] < KILL_TIMEOUT_S, sender
+    assert "broadcast" in sender["error"] and "'weights'" in sender["error"]
+    assert reports[1]["error_type"] == "TransportError", reports[1]

@@ -1,0 +1,167 @@
+"""Bucket planning, packing and reassembly on CPU: the layout every sync relies on."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from disagg.errors import TransportError
+from disagg.transport.buckets import Reassembler, pack_bucket, torch_dtype
+from disagg.transport.manifest import DTYPE_BYTES, Manifest, TensorSpec, plan_buckets
+from disagg.transport.sender import build_manifest
+
+# (specs, bucket_bytes): mixed dtypes, odd sizes, splits, exact fits, zero-element.
+PLANNER_CASES = {
+    "one_small": ([TensorSpec("a", (3,), "float32")], 64),
+    "exact_fit": ([TensorSpec("a", (4,), "float32"), TensorSpec("b", (4,), "float32")], 16),
+    "odd_7x13": ([TensorSpec("w", (7, 13), "float16"), TensorSpec("b", (13,), "float16")], 50),
+    "split_3_5x": ([TensorSpec("big", (56,), "float32")], 64),
+    "mixed_dtypes": (
+        [
+            TensorSpec("f", (5, 3), "float32"),
+            TensorSpec("i", (9,), "int64"),
+            TensorSpec("h", (7, 13), "bfloat16"),
+            TensorSpec("f2", (33,), "float32"),
+            TensorSpec("e", (0, 4), "float32"),
+            TensorSpec("s", (), "float16"),
+        ],
+        40,
+    ),
+    "one_element_buckets": ([TensorSpec("x", (2, 3), "int8"), TensorSpec("y", (5,), "uint8")], 1),
+}
+
+
+@pytest.mark.parametrize("case", sorted(PLANNER_CASES))
+def test_planner_invariants(case: str) -> None:
+    specs, bucket_bytes = PLANNER_CASES[case]
+    m = plan_buckets(specs, bucket_bytes, policy_version=3)
+    spec_by_name = {s.name: s for s in specs}
+    coverage = {s.name: [0] * s.numel for s in specs}
+    order: list[str] = []
+    for i, b in enumerate(m.buckets):
+        assert b.index == i
+        assert 0 < b.nbytes <= bucket_bytes
+        assert sum(e.numel for e in b.entries) == b.numel
+        fill = 0
+        for e in b.entries:
+            assert spec_by_name[e.name].dtype == b.dtype  # single dtype per bucket
+            assert e.bucket_offset == fill  # entries are packed densely, in order
+            fill += e.numel
+            for k in range(e.tensor_offset, e.tensor_offset + e.numel):
+                coverage[e.name][k] += 1
+            if not order or order[-1] != e.name:
+                order.append(e.name)
+    for name, counts in coverage.items():
+        assert all(c == 1 for c in counts), f"{name}: elements not covered exactly once"
+    # Within a dtype, tensors appear in the order given.
+    for dt in {s.dtype for s in specs}:
+        expected = [s.name for s in specs if s.dtype == dt and s.numel]
+        assert [n for n in order if spec_by_name[n].dtype == dt] == expected
+    assert m.total_bytes == sum(s.nbytes for s in specs)
+    assert sum(b.nbytes for b in m.buckets) == m.total_bytes
+
+
+def _random(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=gen).to(dtype)
+    return torch.randint(-(2**40), 2**40, shape, generator=gen, dtype=dtype)
+
+
+def _round_trip(tensors: dict[str, torch.Tensor], manifest: Manifest) -> dict[str, torch.Tensor]:
+    reasm = Reassembler(manifest)
+    got: dict[str, torch.Tensor] = {}
+    for plan in manifest.buckets:
+        buf = pack_bucket(plan, tensors)
+        for name, t in reasm.feed(plan, buf):
+            assert name not in got, f"{name} emitted twice"
+            got[name] = t.clone()
+    for name, t in reasm.finish():
+        got[name] = t
+    return got
+
+
+def test_pack_reassemble_round_trip_mixed_dtypes() -> None:
+    gen = torch.Generator().manual_seed(0)
+    bucket_bytes = 256
+    tensors = {
+        "f32_odd": _random((7, 13), torch.float32, gen),
+        "bf16": _random((3, 5), torch.bfloat16, gen),
+        "f16": _random((11,), torch.float16, gen),
+        "i64": _random((6,), torch.int64, gen),
+        "big": _random((224,), torch.float32, gen),  # 896 bytes: 3.5 buckets
+        "empty": torch.empty(0, 5),
+        "scalar": _random((), torch.float32, gen),
+        "non_contig": _random((8, 6), torch.float32, gen).t(),
+    }
+    manifest = build_manifest(tensors.items(), bucket_bytes, policy_version=1)
+    assert manifest.spec("big").nbytes == 3.5 * bucket_bytes
+    assert sum(1 for b in manifest.buckets for e in b.entries if e.name == "big") >= 4
+    got = _round_trip(tensors, manifest)
+    assert set(got) == set(tensors)
+    for name, t in tensors.items():
+        assert got[name].dtype == t.dtype and got[name].shape == t.shape, name
+        assert torch.equal(got[name], t), name
+
+
+def test_single_bucket_tensors_are_views_and_split_tensors_are_fresh() -> None:
+    tensors = {"small": torch.arange(6.0).reshape(2, 3), "big": torch.arange(40.0)}
+    manifest = build_manifest(tensors.items(), bucket_bytes=64, policy_version=0)
+    reasm = Reassembler(manifest)
+    buffers = []
+    emitted = {}
+    for plan in manifest.buckets:
+        buf = pack_bucket(plan, tensors)
+        buffers.append(buf)
+        for name, t in reasm.feed(plan, buf):
+            emitted[name] = (t, buf)
+    small, small_buf = emitted["small"]
+    assert small.untyped_storage().data_ptr() == small_buf.untyped_storage().data_ptr()
+    big, _ = emitted["big"]
+    assert all(big.untyped_storage().data_ptr() != b.untyped_storage().data_ptr() for b in buffers)
+    assert torch.equal(big, tensors["big"])
+    reasm.finish()
+
+
+def test_pack_casts_to_the_plan_dtype() -> None:
+    src = {"w": torch.randn(5, 7, dtype=torch.float32), "steps": torch.arange(4)}
+    manifest = build_manifest(src.items(), bucket_bytes=1 << 10, policy_version=0, dtype_override="bfloat16")
+    assert manifest.spec("w").dtype == "bfloat16" and manifest.spec("steps").dtype == "int64"
+    got = _round_trip(src, manifest)
+    assert got["w"].dtype == torch.bfloat16
+    assert torch.equal(got["w"], src["w"].to(torch.bfloat16))
+    assert torch.equal(got["steps"], src["steps"])
+
+
+def test_finish_raises_when_a_bucket_is_missing() -> None:
+    tensors = {"a": torch.arange(30.0)}
+    manifest = build_manifest(tensors.items(), bucket_bytes=32, policy_version=5)
+    reasm = Reassembler(manifest)
+    first = manifest.buckets[0]
+    assert reasm.feed(first, pack_bucket(first, tensors)) == []
+    with pytest.raises(TransportError, match="'a'"):
+        reasm.finish()
+
+
+def test_manifest_of_only_empty_tensors_emits_them_at_finish() -> None:
+    manifest = build_manifest([("e", torch.empty(0, 3, dtype=torch.int64))], 64, policy_version=0)
+    assert manifest.buckets == ()
+    (name, t), = Reassembler(manifest).finish()
+    assert name == "e" and t.shape == (0, 3) and t.dtype == torch.int64
+
+
+def test_manifest_dict_round_trip_and_digest() -> None:
+    specs = [TensorSpec("a", (7, 13), "float32"), TensorSpec("b", (5,), "bfloat16"), TensorSpec("c", (0,), "int64")]
+    m = plan_buckets(specs, 48, policy_version=9)
+    again = Manifest.from_dict(m.to_dict())
+    assert again == m
+    assert again.layout_digest() == m.layout_digest()
+    assert m.with_version(10).layout_digest() == m.layout_digest()
+    reshaped = plan_buckets([TensorSpec("a", (13, 7), "float32")] + specs[1:], 48, policy_version=9)
+    assert reshaped.layout_digest() != m.layout_digest()
+    retyped = plan_buckets([specs[0], TensorSpec("b", (5,), "float16"), specs[2]], 48, policy_version=9)
+    assert retyped.layout_digest() != m.layout_digest()
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPE_BYTES))
+def test_dtype_table_matches_torch(dtype: str) -> None:
+    assert torch.empty(0, dtype=torch_dtype(dtype)).element_size() == DTYPE_BYTES[dtype]

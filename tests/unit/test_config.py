@@ -1,0 +1,69 @@
+"""Config: every shipped YAML composes and validates; bad values name key and value."""
+
+from pathlib import Path
+
+import pytest
+
+from disagg.config import Config, load_config
+from disagg.errors import ConfigError
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+def _yaml_configs():
+    return sorted(p.relative_to(CONFIGS).with_suffix("").as_posix() for p in CONFIGS.rglob("*.yaml")
+                  if p.parent == CONFIGS)
+
+
+@pytest.mark.parametrize("name", _yaml_configs())
+def test_every_shipped_yaml_composes_and_validates(name):
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        dc = compose(config_name=name)
+    cfg = load_config(OmegaConf.to_container(dc, resolve=False))
+    assert isinstance(cfg, Config)
+
+
+def test_defaults_match_the_shipped_default_yaml():
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        dc = compose(config_name="train")
+    data = OmegaConf.to_container(dc, resolve=False)
+    data.pop("hydra", None)
+    assert load_config(data) == load_config({})
+
+
+@pytest.mark.parametrize(
+    "data, needle",
+    [
+        ({"trainer": {"num_workers": 0}}, "trainer.num_workers=0"),
+        ({"trainer": {"total_steps": "many"}}, "trainer.total_steps='many'"),
+        ({"trainer": {"lr": -1.0}}, "trainer.lr=-1.0"),
+        ({"algorithm": {"group_size": 1}}, "algorithm.group_size=1"),
+        ({"rollout": {"max_tokens": 64, "max_model_len": 64}}, "rollout.max_tokens=64"),
+        ({"rollout": {"load_format": "safetensors"}}, "rollout.load_format='safetensors'"),
+        ({"rollout": {"load_format": "auto"}}, "rollout.load_format='auto'"),
+        ({"cluster": {"device": "tpu"}}, "cluster.device='tpu'"),
+        ({"transport": {"bucket_bytes": 0}}, "transport.bucket_bytes=0"),
+        ({"model": {"tiny": {"hidden_size": 32, "num_heads": 2}}}, "head_dim"),
+        ({"model": {"path": "/nonexistent/model"}}, "model.path='/nonexistent/model'"),
+        ({"trainer": {"bogus": 1}}, "trainer.bogus"),
+        ({"reward": {"name": None, "path": None}}, "reward.name"),
+        ({"rollout": {"gpu_memory_utilization": 1.5}}, "rollout.gpu_memory_utilization=1.5"),
+        ({"trainer": {"grad_clip": True}}, "trainer.grad_clip=True"),
+    ],
+)
+def test_invalid_values_raise_one_message_naming_key_and_value(data, needle):
+    with pytest.raises(ConfigError) as e:
+        load_config(data)
+    assert needle in str(e.value)
+
+
+def test_lists_and_tuples_are_coerced():
+    cfg = load_config({"data": {"train_files": ["a.jsonl"]}, "trainer": {"betas": [0.8, 0.9]}}, check=False)
+    assert cfg.data.train_files == ("a.jsonl",)
+    assert cfg.trainer.betas == (0.8, 0.9)
