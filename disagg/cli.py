@@ -1,4 +1,4 @@
-"""The ``disagg`` command: ``train`` (hydra), ``ctl`` (gRPC client).
+"""The ``disagg`` command: ``train`` and ``generate`` (hydra), ``ctl`` (gRPC client).
 
 ``disagg train key=value ...`` composes ``configs/train.yaml`` with hydra,
 validates it into dataclasses before any actor starts (one message naming the
@@ -14,13 +14,14 @@ USAGE = """usage: disagg <command> [args]
 
 commands:
   train [key=value ...]   run RL training (hydra overrides, e.g. trainer.total_steps=20)
+  generate [key=value ...] standalone engines on real weights (model.path) + the reward: debug an engine or a reward
   ctl <subcommand> ...    talk to a running job's coordinator (disagg ctl status --address HOST:PORT)
 """
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 
-def _train(argv: list[str]) -> int:
+def _hydra_command(argv: list[str], mode: str) -> int:
     import hydra
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf
@@ -33,14 +34,15 @@ def _train(argv: list[str]) -> int:
 
     @hydra.main(config_path=str(CONFIG_DIR), config_name="train", version_base="1.3")
     def _main(dc) -> None:
+        from disagg.generate import run_generate
         from disagg.train import run
 
         setup_logging("driver", dc.logging.level if "logging" in dc else "INFO")
         try:
-            cfg = load_config(OmegaConf.to_container(dc, resolve=True))
+            cfg = load_config(OmegaConf.to_container(dc, resolve=True), mode=mode)
             run_dir = Path(cfg.run_dir or HydraConfig.get().runtime.output_dir).resolve()
             try:
-                run(cfg, run_dir)
+                (run if mode == "train" else run_generate)(cfg, run_dir)
             finally:
                 import ray
 
@@ -52,7 +54,7 @@ def _train(argv: list[str]) -> int:
         result["rc"] = 0
         print(f"run directory: {run_dir}", flush=True)
 
-    sys.argv = ["disagg train", *argv]
+    sys.argv = [f"disagg {mode}", *argv]
     _main()
     return result["rc"]
 
@@ -63,8 +65,8 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0 if argv else 2
     cmd, rest = argv[0], argv[1:]
-    if cmd == "train":
-        return _train(rest)
+    if cmd in ("train", "generate"):
+        return _hydra_command(rest, cmd)
     if cmd == "ctl":
         from disagg.control.ctl import main as ctl_main
 

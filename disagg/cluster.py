@@ -21,7 +21,7 @@ log = logging.getLogger("disagg.cluster")
 
 @dataclass
 class Pools:
-    trainer_pg: object  # ray.util.placement_group.PlacementGroup
+    trainer_pg: object  # ray.util.placement_group.PlacementGroup (None for standalone engines)
     rollout_pg: object
     device: str
     trainer_bundle: dict[str, float]
@@ -58,12 +58,14 @@ def connect(cfg: Config, device: str, runtime_env: dict | None = None) -> None:
     ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env=runtime_env, log_to_driver=True)
 
 
-def create_pools(cfg: Config, device: str) -> Pools:
-    """Create and wait for the trainer and rollout placement groups."""
+def create_pools(cfg: Config, device: str, with_trainer: bool = True) -> Pools:
+    """Create and wait for the trainer and rollout placement groups (rollout only for standalone engines)."""
     import ray
     from ray.util.placement_group import placement_group
 
     tb, rb = bundles(cfg, device)
+    if not with_trainer:
+        tb = []
     avail = ray.cluster_resources()
     for res in ("CPU", "GPU"):
         need = sum(b.get(res, 0.0) for b in tb + rb)
@@ -74,10 +76,14 @@ def create_pools(cfg: Config, device: str) -> Pools:
                 f"but the Ray cluster has {avail.get(res, 0.0):g}"
             )
     strategy = "PACK"
-    trainer_pg = placement_group(tb, strategy=strategy, name="disagg-trainer")
     rollout_pg = placement_group(rb, strategy=strategy, name="disagg-rollout")
-    _wait_placement([("trainer", trainer_pg, tb), ("rollout", rollout_pg, rb)], cfg.cluster.placement_timeout_s)
-    return Pools(trainer_pg, rollout_pg, device, tb[0], rb[0])
+    groups = [("rollout", rollout_pg, rb)]
+    trainer_pg = None
+    if tb:
+        trainer_pg = placement_group(tb, strategy=strategy, name="disagg-trainer")
+        groups.insert(0, ("trainer", trainer_pg, tb))
+    _wait_placement(groups, cfg.cluster.placement_timeout_s)
+    return Pools(trainer_pg, rollout_pg, device, tb[0] if tb else {}, rb[0])
 
 
 def _wait_placement(groups, timeout_s: float) -> None:

@@ -298,8 +298,12 @@ def _check(cond: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
-def validate(cfg: Config) -> Config:
-    """Cross-field checks, each raising a ConfigError that quotes the values."""
+def validate(cfg: Config, mode: str = "train") -> Config:
+    """Cross-field checks, each raising a ConfigError that quotes the values.
+
+    ``mode`` is "train" (engines on dummy weights, fed by the trainer) or
+    "generate" (standalone engines that load ``model.path`` themselves).
+    """
     t, r, a, tr = cfg.trainer, cfg.rollout, cfg.algorithm, cfg.transport
     for key, v in [
         ("trainer.num_workers", t.num_workers),
@@ -361,7 +365,7 @@ def validate(cfg: Config) -> Config:
         "reward.name and reward.path are both null: set one",
     )
     _check(
-        r.load_format == "dummy",
+        r.load_format == ("dummy" if mode == "train" else "auto"),
         f"rollout.load_format={r.load_format!r}: training engines start on dummy weights and wait for the "
         "trainer's first sync; 'auto' is for standalone `disagg generate`",
     )
@@ -378,12 +382,14 @@ def validate(cfg: Config) -> Config:
     return cfg
 
 
-def load_config(data: dict[str, Any] | None, *, check: bool = True) -> Config:
+def load_config(data: dict[str, Any] | None, *, check: bool = True, mode: str = "train") -> Config:
     """Build the validated Config from a plain dict (e.g. ``OmegaConf.to_container``)."""
     data = dict(data or {})
     data.pop("hydra", None)
+    if mode == "generate":
+        data["rollout"] = {**(data.get("rollout") or {}), "load_format": "auto"}
     cfg = _build(Config, data, "")
-    return validate(cfg) if check else cfg
+    return validate(cfg, mode) if check else cfg
 
 
 def resolve_device(cfg: Config) -> str:

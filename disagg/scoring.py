@@ -31,6 +31,8 @@ class ScoredBatch:
     rewards: list[float]
     response_lens: list[int]
     counts: Counter = field(default_factory=Counter)
+    per_result: list[list[float]] = field(default_factory=list)
+    """Rewards of each result's completions, aligned with the results (empty when dropped)."""
 
 
 class Scorer:
@@ -58,8 +60,9 @@ class Scorer:
 
     def score(self, results: list[GenResult], rows: list[dict[str, Any]]) -> ScoredBatch:
         counts: Counter = Counter()
-        samples, rewards, lens = [], [], []
+        samples, rewards, lens, per_result = [], [], [], []
         for res, row in zip(results, rows):
+            per_result.append([])
             if res.dropped is not None:
                 counts[f"dropped_{res.dropped}"] += 1
                 continue
@@ -69,6 +72,7 @@ class Scorer:
                             len(res.completions), self.algo.group_size)
                 continue
             group_r = [self._reward(self.decode(c.response_ids), row, counts) for c in res.completions]
+            per_result[-1] = group_r
             adv = group_advantages(torch.tensor([group_r]), self.algo.adv_eps, self.algo.scale_by_std)[0].tolist()
             for c, r, a in zip(res.completions, group_r, adv):
                 rewards.append(r)
@@ -78,4 +82,4 @@ class Scorer:
                     continue
                 samples.append(TrainSample(list(res.prompt_ids), list(c.response_ids), list(c.logprobs), a, r,
                                            res.min_version))
-        return ScoredBatch(samples, rewards, lens, counts)
+        return ScoredBatch(samples, rewards, lens, counts, per_result)

@@ -67,3 +67,8 @@ def test_lists_and_tuples_are_coerced():
     cfg = load_config({"data": {"train_files": ["a.jsonl"]}, "trainer": {"betas": [0.8, 0.9]}}, check=False)
     assert cfg.data.train_files == ("a.jsonl",)
     assert cfg.trainer.betas == (0.8, 0.9)
+
+
+def test_generate_mode_loads_real_weights_and_train_mode_refuses_them():
+    assert load_config({}, mode="generate").rollout.load_format == "auto"
+    assert load_config({}).rollout.load_format == "dummy"
