@@ -16,6 +16,7 @@ commands:
   train [key=value ...]   run RL training (hydra overrides, e.g. trainer.total_steps=20)
   generate [key=value ...] standalone engines on real weights (model.path) + the reward: debug an engine or a reward
   ctl <subcommand> ...    talk to a running job's coordinator (disagg ctl status --address HOST:PORT)
+  bench transport [flags] weight-sync benchmark against raw, per-parameter and object-store baselines
 """
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -71,6 +72,10 @@ def main(argv: list[str] | None = None) -> int:
         from disagg.control.ctl import main as ctl_main
 
         return ctl_main(rest)
+    if cmd == "bench":
+        from disagg.bench import main as bench_main
+
+        return bench_main(rest)
     print(f"disagg: unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
     return 2
 

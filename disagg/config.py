@@ -104,6 +104,13 @@ class TransportConfig:
     """Timeout of the group rendezvous and of every collective."""
     dtype: str | None = None
     """Wire dtype (e.g. 'bfloat16'); null -> the trainer parameters' dtype."""
+    source: Literal["gather", "shards"] = "gather"
+    """With FSDP: 'gather' (ranks gather full tensors in lockstep, rank 0 sends) or
+    'shards' (every trainer rank sends its own shards over its own group)."""
+    num_buffers: int = 2
+    """Bucket buffers per side: packing/loading of one bucket overlaps the wire of the next."""
+    verify: bool = False
+    """Per-bucket checksums; a mismatch rejects the version (staged, costs one copy of the weights)."""
 
 
 @dataclass(frozen=True)
@@ -319,6 +326,7 @@ def validate(cfg: Config, mode: str = "train") -> Config:
         ("rollout.cpus_per_engine", r.cpus_per_engine),
         ("algorithm.prompts_per_step", a.prompts_per_step),
         ("transport.bucket_bytes", tr.bucket_bytes),
+        ("transport.num_buffers", tr.num_buffers),
         ("data.num_digits", cfg.data.num_digits),
     ]:
         _check(v >= 1, f"{key}={v}: must be >= 1")

@@ -28,3 +28,7 @@ class TransportError(DisaggError):
 
 class ControlError(DisaggError):
     """A control-plane (gRPC) call failed; the message names the call and peer."""
+
+
+class ChecksumError(TransportError):
+    """A received bucket's checksum differs from the sender's; the version was not loaded."""

@@ -90,22 +90,27 @@ class Job:
         self.init_transport()
 
     def init_transport(self) -> None:
-        """(Re)build the dedicated transport group: trainer rank 0 + every engine worker."""
+        """(Re)build the transport groups: one per sending trainer rank, each with every engine worker."""
+        from disagg.transport.sync import source_groups_needed
+
         self.transport_epoch += 1
-        host, port = self.trainer.transport_endpoint()
-        world = 1 + self.rollout.num_workers
-        name = f"disagg-transport-{self.transport_epoch}"
         t = self.cfg.transport.timeout_s
+        n_groups = source_groups_needed(self.cfg.transport.source, self.cfg.trainer.num_workers)
+        world = 1 + self.rollout.num_workers
+        endpoints = [(*self.trainer.transport_endpoint(r), f"disagg-transport-{self.transport_epoch}-s{r}")
+                     for r in range(n_groups)]
         t0 = time.perf_counter()
-        refs = [self.trainer.rank0.init_transport.remote(host=host, port=port, world_size=world, backend=self.backend,
-                                                           timeout_s=t, group_name=name)]
-        refs += self.rollout.init_transport_async(host, port, world, self.backend, t, name)
+        refs = [self.trainer.workers[r].init_transport.remote(host=h, port=p, world_size=world, backend=self.backend,
+                                                              timeout_s=t, group_name=name)
+                for r, (h, p, name) in enumerate(endpoints)]
+        refs += self.rollout.init_transport_async(endpoints, world, self.backend, t)
+        what = f"transport rendezvous ({n_groups} group(s) of {world} ranks, epoch {self.transport_epoch})"
         try:
-            ray_get_logged(refs, what=f"transport group {name} rendezvous", timeout_s=t + 30, log=log)
+            ray_get_logged(refs, what=what, timeout_s=t + 30, log=log)
         except TimeoutError as e:
-            raise TransportError(f"transport group {name} ({world} ranks at {host}:{port}): {e}") from e
-        log.info("transport group %s up: %d ranks, backend %s, %.2fs", name, world, self.backend,
-                 time.perf_counter() - t0)
+            raise TransportError(f"{what}: {e}") from e
+        log.info("transport up: %d group(s) of %d ranks, backend %s, source %s, %.2fs", n_groups, world,
+                 self.backend, self.cfg.transport.source, time.perf_counter() - t0)
 
     def sync_weights(self, policy_version: int, trainer_step: int) -> SyncStats:
         """Announce ``policy_version`` and broadcast it to every engine; returns when all acked."""
@@ -119,11 +124,12 @@ class Job:
         except TimeoutError as e:
             raise TransportError(f"weight sync of version {policy_version}: {e}") from e
         seconds = time.perf_counter() - t0
-        sent = outs[0]
+        sent = outs[: len(self.trainer.workers)]
         committed = self.coordinator.state.committed_version()
         if committed != policy_version:
             raise TransportError(f"after sync of version {policy_version} the committed version is {committed}")
-        return SyncStats(policy_version, int(sent["bytes"]), seconds, float(sent["send_s"]), int(sent["num_buckets"]))
+        return SyncStats(policy_version, sum(int(o["bytes"]) for o in sent), seconds,
+                         max(float(o.get("send_s", 0.0)) for o in sent), sum(int(o["num_buckets"]) for o in sent))
 
     def shutdown(self) -> None:
         if self.rollout is not None:

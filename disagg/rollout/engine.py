@@ -18,8 +18,8 @@ import os
 import time
 from typing import Any
 
-from disagg.config import RolloutConfig
-from disagg.errors import EngineDeadError, RolloutError
+from disagg.config import RolloutConfig, TransportConfig
+from disagg.errors import ChecksumError, EngineDeadError, RolloutError
 from disagg.logs import await_logged, setup_logging
 from disagg.rollout.types import Completion, GenRequest, GenResult, SyncReport
 
@@ -32,11 +32,13 @@ class EngineActor:
     """A vLLM engine behind a weights-loaded gate. Wrapped with ``ray.remote`` by the pool."""
 
     def __init__(self, engine_id: int, model_path: str, cfg: RolloutConfig, coordinator: str | None,
-                 rpc_timeout_s: float, seed: int = 0, log_level: str = "INFO"):
+                 rpc_timeout_s: float, seed: int = 0, log_level: str = "INFO",
+                 transport_cfg: TransportConfig | None = None):
         setup_logging(f"rollout:{engine_id}", log_level)
         self.engine_id = engine_id
         self.model_path = model_path
         self.cfg = cfg
+        self.transport_cfg = transport_cfg or TransportConfig()
         self.seed = seed
         self.version = 0  # 0 = dummy weights, never served
         self._weights_loaded = asyncio.Event()
@@ -102,13 +104,14 @@ class EngineActor:
             self._coord.update_engine_state(self.engine_id, EngineState(state), message)
 
     # ---- weight sync -----------------------------------------------------------------
-    async def init_transport(self, *, host: str, port: int, world_size: int, rank_offset: int, backend: str,
-                             timeout_s: float, group_name: str) -> None:
-        """Join the dedicated transport group (run concurrently with the trainer's join)."""
+    async def init_transport(self, *, groups: list[list], world_size: int, rank_offset: int, backend: str,
+                             timeout_s: float) -> None:
+        """Join the transport groups ([host, port, name] each; run concurrently with the trainer's join)."""
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
-        info = dict(host=host, port=port, world_size=world_size, rank_offset=rank_offset, backend=backend,
-                    timeout_s=timeout_s, group_name=group_name)
+        info = dict(groups=groups, world_size=world_size, rank_offset=rank_offset, backend=backend,
+                    timeout_s=timeout_s, source=self.transport_cfg.source,
+                    num_buffers=self.transport_cfg.num_buffers, verify=self.transport_cfg.verify)
         await self._engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info))
 
     async def receive_weights(self, policy_version: int, manifest: dict | None = None) -> SyncReport:
@@ -139,8 +142,19 @@ class EngineActor:
             recv_s = time.perf_counter() - t1
             await eng.finish_weight_update(weight_version=str(policy_version))
             await eng.reset_prefix_cache()
-        finally:
-            await eng.resume_generation()
+        except BaseException as e:
+            rejected = (await self.get_transfer_stats()).get("rejected") if self._engine is not None else None
+            if rejected and self._weights_loaded.is_set():
+                # Checksums failed before anything was loaded: the previous version is intact.
+                await eng.resume_generation()
+                self._report_state("READY", f"rejected version {policy_version}: {rejected}"[:500])
+                raise ChecksumError(f"engine {self.engine_id}: {rejected}") from e
+            # The model may hold part of a version: close the gate and stay paused, so
+            # neither new nor frozen requests run until a sync completes.
+            self._weights_loaded.clear()
+            self._report_state("WAITING_FOR_WEIGHTS", f"sync of version {policy_version} failed: {e}"[:500])
+            raise
+        await eng.resume_generation()
         stats = await self.get_transfer_stats()
         self.version = policy_version
         self._weights_loaded.set()

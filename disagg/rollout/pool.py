@@ -48,7 +48,7 @@ class RolloutPool:
                     runtime_env={"env_vars": e_env},
                     max_concurrency=1000,
                 ).remote(i, model_path, cfg.rollout, coordinator, cfg.control.rpc_timeout_s,
-                         cfg.trainer.seed + 1000 * i, cfg.logging.level)
+                         cfg.trainer.seed + 1000 * i, cfg.logging.level, cfg.transport)
             )
         self.start_info = ray_get_logged([e.start.remote() for e in self.engines], what="engine start",
                                          timeout_s=cfg.rollout.start_timeout_s, log=log)
@@ -57,14 +57,13 @@ class RolloutPool:
     def _get(self, refs, what: str) -> Any:
         return ray_get_logged(refs, what=what, timeout_s=self.timeout_s, log=log)
 
-    def init_transport_async(self, host: str, port: int, world_size: int, backend: str, timeout_s: float,
-                             group_name: str) -> list:
+    def init_transport_async(self, endpoints: list[tuple[str, int, str]], world_size: int, backend: str,
+                             timeout_s: float) -> list:
+        """Every engine joins every source group; worker k of engine i is rank 1 + i*tp + k in each."""
         tp = self.cfg.rollout.tensor_parallel_size
-        return [
-            e.init_transport.remote(host=host, port=port, world_size=world_size, rank_offset=1 + i * tp,
-                                    backend=backend, timeout_s=timeout_s, group_name=group_name)
-            for i, e in enumerate(self.engines)
-        ]
+        return [e.init_transport.remote(groups=[list(x) for x in endpoints], world_size=world_size,
+                                        rank_offset=1 + i * tp, backend=backend, timeout_s=timeout_s)
+                for i, e in enumerate(self.engines)]
 
     def receive_weights_async(self, policy_version: int) -> list:
         return [e.receive_weights.remote(policy_version) for e in self.engines]

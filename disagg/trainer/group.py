@@ -51,11 +51,11 @@ class TrainerGroup:
     def rank0(self):
         return self.workers[0]
 
-    def transport_endpoint(self) -> tuple[str, int]:
-        """(host, port) for the transport group's TCPStore, hosted by trainer rank 0."""
-        host = self._get(self.rank0.node_ip.remote(), "trainer rank 0 address")
-        port = self._get(self.rank0.free_port.remote(), "trainer rank 0 port")
-        return host, port
+    def transport_endpoint(self, rank: int = 0) -> tuple[str, int]:
+        """(host, port) for the TCPStore of the transport group that trainer ``rank`` sends on."""
+        w = self.workers[rank]
+        return self._get(w.node_ip.remote(), f"trainer rank {rank} address"), self._get(
+            w.free_port.remote(), f"trainer rank {rank} port")
 
     def train_step(self, samples: list[TrainSample]) -> dict[str, float]:
         """One optimizer step over ``samples``, split evenly across workers."""

@@ -173,9 +173,7 @@ class TrainerWorker:
 
     def init_transport(self, *, host: str, port: int, world_size: int, backend: str, timeout_s: float,
                        group_name: str) -> None:
-        """Rank 0 hosts the TCPStore and joins the transport group as rank 0."""
-        if self.rank != 0:
-            return
+        """Join this rank's source group as its rank 0 (hosting its TCPStore)."""
         from disagg.transport.group import create_group
         from disagg.transport.sender import WeightSender
 
@@ -183,17 +181,14 @@ class TrainerWorker:
             self.group.destroy()
         self.group = create_group(host=host, port=port, rank=0, world_size=world_size, backend=backend,
                                   timeout_s=timeout_s, group_name=group_name, device=self.device)
-        self.sender = WeightSender(self.group, src=0)
+        self.sender = WeightSender(self.group, 0, self.transport_cfg.num_buffers, self.transport_cfg.verify)
 
     def manifest(self, policy_version: int) -> dict:
-        """The manifest of this model at ``policy_version`` (layout only; no collective)."""
-        from disagg.transport.manifest import TensorSpec, plan_buckets
+        """The full-tensor manifest of this model at ``policy_version`` (layout only; no collective)."""
+        from disagg.transport.sync import model_manifest
 
         if self._manifest is None:
-            wire = self.transport_cfg.dtype
-            specs = [TensorSpec(n, tuple(p.shape), wire or str(p.dtype).removeprefix("torch."))
-                     for n, p in self.model.named_parameters()]
-            self._manifest = plan_buckets(specs, self.transport_cfg.bucket_bytes)
+            self._manifest = model_manifest(self.model, self.transport_cfg.bucket_bytes, 0, self.transport_cfg.dtype)
         return self._manifest.with_version(policy_version).to_dict()
 
     def announce(self, coordinator: str, policy_version: int, trainer_step: int, timeout_s: float) -> str:
@@ -208,18 +203,25 @@ class TrainerWorker:
         return m.layout_digest()
 
     def push_weights(self, policy_version: int) -> dict[str, Any]:
-        """Send the current parameters as ``policy_version``; every rank must call this."""
+        """Send the current parameters as ``policy_version``; every rank must call this
+        (gather mode: the full-tensor gathers are collectives over the trainer ranks)."""
         from disagg.transport.manifest import Manifest
+        from disagg.transport.sync import send_model
 
         t0 = time.perf_counter()
-        params = self._full_params()
-        gather_s = time.perf_counter() - t0
-        if self.rank != 0:
-            return {"rank": self.rank, "gather_s": gather_s}
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            base = torch.cuda.memory_allocated(self.device)
         m = Manifest.from_dict(self.manifest(policy_version))
-        stats = self.sender.send(m, params)
-        return {"rank": 0, "gather_s": gather_s, "bytes": stats.bytes, "send_s": stats.seconds,
-                "num_buckets": stats.num_buckets, "group_bytes_sent": self.group.bytes_sent}
+        stats = send_model(self.group, self.model, m, source=self.transport_cfg.source, trainer_rank=self.rank,
+                           num_trainer_ranks=self.world_size, sender=self.sender)
+        out: dict[str, Any] = {"rank": self.rank, "seconds": time.perf_counter() - t0, "bytes": 0, "num_buckets": 0}
+        if stats is not None:
+            out.update(bytes=stats.bytes, send_s=stats.seconds, num_buckets=stats.num_buckets,
+                       group_bytes_sent=self.group.bytes_sent)
+        if self.device.type == "cuda":
+            out["peak_extra_bytes"] = torch.cuda.max_memory_allocated(self.device) - base
+        return out
 
     # ---- inspection (tests, debugging) ---------------------------------------------
     @torch.no_grad()

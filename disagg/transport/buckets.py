@@ -35,13 +35,34 @@ def dtype_name(dtype: torch.dtype) -> str:
 def bucket_buffers(manifest: Manifest, device: torch.device) -> dict[str, torch.Tensor]:
     """One flat buffer per dtype, as large as that dtype's largest bucket.
 
-    Buckets are sent one at a time, so each bucket of a dtype reuses the same
-    buffer (sliced to its size): memory is one bucket per dtype, not per bucket.
+    One such set is one pipeline slot: every bucket of a dtype that goes through
+    the slot reuses the same buffer (sliced to its size).
     """
     sizes: dict[str, int] = {}
     for plan in manifest.buckets:
         sizes[plan.dtype] = max(sizes.get(plan.dtype, 0), plan.numel)
     return {dt: torch.empty(n, dtype=torch_dtype(dt), device=device) for dt, n in sizes.items()}
+
+
+_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bucket_checksum(buf: torch.Tensor) -> torch.Tensor:
+    """Two int64 sums over the raw bits of ``buf``: plain and position-weighted.
+
+    The weighted sum catches swapped elements as well as flipped bits. Computed
+    on the buffer's device in chunks, so it costs one pass and a small temporary.
+    """
+    flat = buf.reshape(-1)
+    bits = flat.view(_INT_VIEW[flat.element_size()])
+    total = torch.zeros(2, dtype=torch.int64, device=buf.device)
+    step = 1 << 24
+    for start in range(0, bits.numel(), step):
+        chunk = bits[start : start + step].to(torch.int64)
+        weights = torch.arange(start, start + chunk.numel(), device=buf.device, dtype=torch.int64) % 65521 + 1
+        total[0] += chunk.sum()
+        total[1] += (chunk * weights).sum()
+    return total
 
 
 def pack_bucket(

@@ -30,7 +30,9 @@ its group last.
 from __future__ import annotations
 
 import logging
+import os
 import socket
+import threading
 import time
 from datetime import timedelta
 from typing import NoReturn
@@ -50,6 +52,29 @@ _PROGRESS_LOG_S = 10.0
 _WAIT_GRACE_S = 0.5
 # NCCL's watchdog kills the process when its timeout fires; ours must come first.
 _NCCL_WATCHDOG_MARGIN_S = 60.0
+# Every rank stamps a heartbeat key in the store this often; a failed op names the
+# ranks whose stamp went stale (a dead peer), which gloo and NCCL errors do not.
+_HEARTBEAT_S = 0.5
+_STALE_S = 3 * _HEARTBEAT_S
+
+
+class _Heartbeat(threading.Thread):
+    """Stamps ``hb/<rank>`` with the time every _HEARTBEAT_S until stopped."""
+
+    def __init__(self, store: dist.Store, rank: int) -> None:
+        super().__init__(daemon=True, name=f"disagg-heartbeat-{rank}")
+        self._store, self._rank, self._stop = store, rank, threading.Event()
+
+    def run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._store.set(f"hb/{self._rank}", repr(time.time()))
+            except RuntimeError:  # the store (rank 0) is gone: nothing left to stamp
+                return
+            self._stop.wait(_HEARTBEAT_S)
+
+    def stop(self) -> None:
+        self._stop.set()
 
 
 def pick_free_port(host: str) -> int:
@@ -89,12 +114,39 @@ class TransportGroup:
         self.bytes_sent = 0
         self.bytes_received = 0
         self._broken: str | None = None
+        self._prefix = PrefixStore(name, store)
+        self._heartbeat = _Heartbeat(self._prefix, rank)
+        self._heartbeat.start()
+
+    def dead_peers(self) -> str:
+        """Which peers look dead: their heartbeat went stale, or the store itself is gone."""
+        time.sleep(_STALE_S)  # let a live peer stamp at least twice
+        now, stale = time.time(), []
+        try:
+            for r in range(self.world_size):
+                if r == self.rank:
+                    continue
+                who = self._prefix.get(f"disagg_join/{r}").decode()
+                last = float(self._prefix.get(f"hb/{r}").decode()) if self._prefix.check([f"hb/{r}"]) else 0.0
+                if now - last > _STALE_S:
+                    stale.append(f"rank {r} ({who}, silent {now - last:.1f}s)")
+        except RuntimeError:
+            return "the store hosted by rank 0 is unreachable: rank 0 is likely dead"
+        return ("dead peer(s): " + ", ".join(stale)) if stale else "no peer looks dead (all heartbeats fresh)"
 
     def broadcast(self, tensor: torch.Tensor, src: int, *, count_bytes: bool = True) -> None:
         """Broadcast ``tensor`` in place from rank ``src``; blocks until done or raises.
 
         Every rank of the group must call it with the same ``src`` and size.
         ``count_bytes=False`` leaves the byte counters alone (control headers).
+        """
+        self.broadcast_async(tensor, src, count_bytes=count_bytes).wait()
+
+    def broadcast_async(self, tensor: torch.Tensor, src: int, *, count_bytes: bool = True) -> "PendingOp":
+        """Start a broadcast; the returned op's ``wait()`` blocks until done (with the group's timeout).
+
+        Ops complete in the order they were started on every rank. The tensor must
+        not be touched until ``wait()`` returned.
         """
         if not 0 <= src < self.world_size:
             raise ValueError(f"group {self.name!r}: src={src} outside world of {self.world_size}")
@@ -105,12 +157,8 @@ class TransportGroup:
         what = f"broadcast of {nbytes} bytes " + (f"to ranks {peers}" if self.rank == src else f"from rank {src}")
         opts = dist.BroadcastOptions()
         opts.rootRank, opts.rootTensor, opts.timeout = src, 0, timedelta(seconds=self.timeout_s)
-        self._run(lambda pg: pg.broadcast([tensor], opts), what)
-        if count_bytes:
-            if self.rank == src:
-                self.bytes_sent += nbytes
-            else:
-                self.bytes_received += nbytes
+        work = self._start(lambda pg: pg.broadcast([tensor], opts), what)
+        return PendingOp(self, work, what, nbytes if count_bytes else 0, sent=self.rank == src)
 
     def barrier(self) -> None:
         """Block until every rank arrives (a one-element allreduce, valid on both backends)."""
@@ -121,20 +169,23 @@ class TransportGroup:
 
     def destroy(self) -> None:
         """Release the process group and, on rank 0, the store. Safe to call twice."""
+        self._heartbeat.stop()
         self._release_pg()
         self._store = None
         if self._broken is None:
             self._broken = "destroyed"
 
     def _run(self, start, what: str) -> None:
+        self._wait(self._start(start, what), what)
+
+    def _start(self, start, what: str) -> dist.Work:
         if self._broken is not None or self._pg is None:
             raise TransportError(f"group {self.name!r} rank {self.rank}/{self.world_size}: cannot run {what}: "
                                  f"group is unusable ({self._broken}); rebuild it")
         try:
-            work = start(self._pg)
+            return start(self._pg)
         except RuntimeError as e:
             self._fail(what, _brief(e), e)
-        self._wait(work, what)
 
     def _wait(self, work: dist.Work, what: str) -> None:
         t0 = time.monotonic()
@@ -172,8 +223,10 @@ class TransportGroup:
         self._broken = f"{what} failed: {reason}"
         # Releasing closes this rank's connections, so peers blocked on it fail now.
         self._release_pg()
+        suspects = self.dead_peers()
         raise TransportError(
-            f"group {self.name!r} rank {self.rank}/{self.world_size}: {what} failed: {reason}") from cause
+            f"group {self.name!r} rank {self.rank}/{self.world_size}: {what} failed: {reason}; {suspects}"
+        ) from cause
 
     def _release_pg(self) -> None:
         pg, self._pg = self._pg, None
@@ -183,6 +236,24 @@ class TransportGroup:
             pg.abort()  # frees the communicator at once, in flight or not; the watchdog then stays quiet
         else:
             pg.shutdown()
+
+
+class PendingOp:
+    """A started collective; ``wait()`` blocks with the group's timeout and counts its bytes once."""
+
+    def __init__(self, group: TransportGroup, work: dist.Work, what: str, nbytes: int, sent: bool) -> None:
+        self._group, self._work, self._what, self._nbytes, self._sent = group, work, what, nbytes, sent
+        self.done = False
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        self._group._wait(self._work, self._what)
+        self.done = True
+        if self._sent:
+            self._group.bytes_sent += self._nbytes
+        else:
+            self._group.bytes_received += self._nbytes
 
 
 def create_group(*, host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float,
@@ -274,7 +345,7 @@ def _join(prefix: PrefixStore, rank: int, world_size: int, deadline: float, time
     missing = [r for r in range(world_size) if r != rank]
     next_log = time.monotonic() + _PROGRESS_LOG_S
     try:
-        prefix.set(keys[rank], socket.gethostname())
+        prefix.set(keys[rank], f"{socket.gethostname()} pid {os.getpid()}")
         while not prefix.check(keys):
             missing = [r for r, k in enumerate(keys) if not prefix.check([k])]
             now = time.monotonic()

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from disagg.errors import TransportError
-from disagg.transport.buckets import Reassembler, bucket_buffers
+from disagg.errors import ChecksumError, TransportError
+from disagg.transport.buckets import Reassembler, bucket_buffers, bucket_checksum
 from disagg.transport.group import TransportGroup
 from disagg.transport.manifest import Manifest
 from disagg.transport.sender import header_for
@@ -42,17 +42,27 @@ def receive_weights(
     load_fn: LoadFn,
     device: torch.device = torch.device("cpu"),
     src: int = 0,
+    num_buffers: int = 2,
+    verify: bool = False,
 ) -> ReceiveStats:
     """Receive one policy version from rank ``src`` and hand it to ``load_fn``.
 
-    ``load_fn`` is called after each bucket with the tensors that bucket
-    completed; tensors may be views into a reused receive buffer, so it must
-    copy what it keeps before returning. Raises ``TransportError`` if the
-    sender's header disagrees with ``manifest`` (the group is then out of step
-    and must be destroyed) or if a broadcast fails.
+    Pipelined over ``num_buffers`` buffers: while bucket i is being loaded, the
+    next ones are already on the wire. ``load_fn`` is called with the tensors each
+    bucket completed; they may be views into a receive buffer that is reused once
+    ``load_fn`` returns, so it must copy what it keeps.
+
+    With ``verify`` every bucket's checksum is compared and nothing is loaded
+    until all buckets arrived intact (they are staged, costing one copy of the
+    weights): a mismatch raises ``ChecksumError`` after the last bucket, with
+    ``load_fn`` never called, so the receiver keeps its previous weights and the
+    group stays in step. Raises ``TransportError`` if the sender's header
+    disagrees with ``manifest`` or a broadcast fails.
     """
     if group.rank == src:
         raise ValueError(f"receive_weights runs on receivers; rank {src} is the sender")
+    if num_buffers < 1:
+        raise ValueError(f"transport.num_buffers must be >= 1, got {num_buffers}")
     t0 = time.perf_counter()
     header = torch.zeros(3, dtype=torch.int64, device=device)
     group.broadcast(header, src, count_bytes=False)
@@ -65,24 +75,56 @@ def receive_weights(
             f"receiver's ({diffs}); refusing to load"
         )
     reassembler = Reassembler(manifest, device=device)
-    buffers = bucket_buffers(manifest, device)
+    slots = [bucket_buffers(manifest, device) for _ in range(num_buffers)]
+    buckets = manifest.buckets
+    pending: dict[int, tuple[list, torch.Tensor, torch.Tensor | None]] = {}
+
+    def post(i: int) -> None:
+        plan = buckets[i]
+        buf = slots[i % num_buffers][plan.dtype][: plan.numel]
+        ops = [group.broadcast_async(buf, src)]
+        checksum = None
+        if verify:
+            checksum = torch.zeros(2, dtype=torch.int64, device=device)
+            ops.append(group.broadcast_async(checksum, src, count_bytes=False))
+        pending[i] = (ops, buf, checksum)
+
+    for i in range(min(num_buffers, len(buckets))):
+        post(i)
+    staged: list[tuple[str, torch.Tensor]] = []
+    corrupt: list[int] = []
     num_tensors = 0
-    for plan in manifest.buckets:
-        buf = buffers[plan.dtype][: plan.numel]
-        group.broadcast(buf, src)
+    for i, plan in enumerate(buckets):
+        ops, buf, checksum = pending.pop(i)
+        for op in ops:
+            op.wait()
+        if verify and not torch.equal(bucket_checksum(buf), checksum):
+            corrupt.append(plan.index)
         done = reassembler.feed(plan, buf)
-        if done:
+        num_tensors += len(done)
+        if verify:
+            staged.extend((name, t.clone()) for name, t in done)  # out of the reused buffer
+        elif done:
             load_fn(done)
-            num_tensors += len(done)
+        # Only now is this bucket's buffer free for the bucket num_buffers ahead.
+        if i + num_buffers < len(buckets):
+            post(i + num_buffers)
     rest = reassembler.finish()
-    if rest:
-        load_fn(rest)
-        num_tensors += len(rest)
-    stats = ReceiveStats(bytes=sum(p.nbytes for p in manifest.buckets), seconds=time.perf_counter() - t0,
-                         num_buckets=len(manifest.buckets), num_tensors=num_tensors)
+    num_tensors += len(rest)
+    if corrupt:
+        raise ChecksumError(
+            f"group {group.name!r} rank {group.rank}: policy_version={manifest.policy_version} rejected: "
+            f"checksum mismatch in {len(corrupt)} of {len(buckets)} buckets (first {corrupt[:5]}); nothing loaded"
+        )
+    if staged or rest:
+        load_fn(staged + rest)
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+    stats = ReceiveStats(bytes=sum(p.nbytes for p in buckets), seconds=time.perf_counter() - t0,
+                         num_buckets=len(buckets), num_tensors=num_tensors)
     log.debug("[transport:%s:%d] received policy_version=%d: %d tensors in %d buckets, %.1f MiB in %.3f s",
-             group.name, group.rank, manifest.policy_version, num_tensors, stats.num_buckets,
-             stats.bytes / 2**20, stats.seconds)
+              group.name, group.rank, manifest.policy_version, num_tensors, stats.num_buckets,
+              stats.bytes / 2**20, stats.seconds)
     return stats
 
 

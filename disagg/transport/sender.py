@@ -15,12 +15,13 @@ from __future__ import annotations
 import logging
 import time
 import zlib
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
 
-from disagg.transport.buckets import bucket_buffers, dtype_name, pack_bucket, torch_dtype
+from disagg.transport.buckets import bucket_buffers, bucket_checksum, dtype_name, pack_bucket, torch_dtype
 from disagg.transport.group import TransportGroup
 from disagg.transport.manifest import DTYPE_BYTES, BucketPlan, Manifest, TensorSpec, plan_buckets
 
@@ -117,13 +118,33 @@ class _TensorSource:
 
 
 class WeightSender:
-    """Broadcasts one policy version's buckets from rank ``src`` of ``group``."""
+    """Broadcasts one policy version's buckets from rank ``src`` of ``group``.
 
-    def __init__(self, group: TransportGroup, src: int = 0) -> None:
+    Pipelined over ``num_buffers`` bucket buffers: while bucket i is on the wire,
+    bucket i+1 is packed (and, through a lazy tensor source, gathered) into the
+    next buffer; a buffer is reused only after its broadcast completed. With
+    ``verify`` each bucket is followed by its checksum.
+    """
+
+    def __init__(self, group: TransportGroup, src: int = 0, num_buffers: int = 2, verify: bool = False) -> None:
         if group.rank != src:
             raise ValueError(f"WeightSender must run on the source rank {src}, this is rank {group.rank}")
+        if num_buffers < 1:
+            raise ValueError(f"transport.num_buffers must be >= 1, got {num_buffers}")
         self.group = group
         self.src = src
+        self.num_buffers = num_buffers
+        self.verify = verify
+        self._after_pack: Callable[[int, torch.Tensor], None] | None = None  # fault injection in tests
+        self._slots: list[dict[str, torch.Tensor]] = []
+        self._slots_key: str | None = None
+
+    def _buffers(self, manifest: Manifest) -> list[dict[str, torch.Tensor]]:
+        key = manifest.layout_digest()
+        if self._slots_key != key:  # kept across syncs of the same layout
+            self._slots = [bucket_buffers(manifest, self.group.device) for _ in range(self.num_buffers)]
+            self._slots_key = key
+        return self._slots
 
     def send(self, manifest: Manifest, named_tensors: NamedTensors) -> SendStats:
         """Send every bucket of ``manifest`` in order; every receiver must be receiving.
@@ -137,15 +158,32 @@ class WeightSender:
         source = _TensorSource(manifest, named_tensors)
         header = torch.tensor(header_for(manifest), dtype=torch.int64, device=self.group.device)
         self.group.broadcast(header, self.src, count_bytes=False)
-        buffers = bucket_buffers(manifest, self.group.device)
-        for plan in manifest.buckets:
-            packed = pack_bucket(plan, source.take(plan), out=buffers[plan.dtype])
-            self.group.broadcast(packed, self.src)
+        slots = self._buffers(manifest)
+        in_flight: deque = deque()
+        for i, plan in enumerate(manifest.buckets):
+            if len(in_flight) == self.num_buffers:
+                for op in in_flight.popleft():
+                    op.wait()
+            packed = pack_bucket(plan, source.take(plan), out=slots[i % self.num_buffers][plan.dtype])
+            ops = []
+            if self.verify:
+                checksum = bucket_checksum(packed)
+            if self._after_pack is not None:
+                self._after_pack(plan.index, packed)
+            ops.append(self.group.broadcast_async(packed, self.src))
+            if self.verify:
+                ops.append(self.group.broadcast_async(checksum, self.src, count_bytes=False))
+            in_flight.append(ops)
             source.release(plan)
+        for ops in in_flight:
+            for op in ops:
+                op.wait()
+        if self.group.device.type == "cuda":
+            torch.cuda.current_stream(self.group.device).synchronize()
         seconds = time.perf_counter() - t0
         stats = SendStats(bytes=sum(p.nbytes for p in manifest.buckets), seconds=seconds,
                           num_buckets=len(manifest.buckets))
         log.debug("[transport:%s:%d] sent policy_version=%d: %d buckets, %.1f MiB in %.3f s",
-                 self.group.name, self.group.rank, manifest.policy_version, stats.num_buckets,
-                 stats.bytes / 2**20, seconds)
+                  self.group.name, self.group.rank, manifest.policy_version, stats.num_buckets,
+                  stats.bytes / 2**20, seconds)
         return stats

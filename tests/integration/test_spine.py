@@ -20,7 +20,7 @@ def job(ray_session, model_cache, tmp_path_factory):
     from disagg.model.warmstart import prepare_model
 
     # A large learning rate so one optimizer step visibly moves the policy.
-    cfg = small_config(model_cache, trainer={"lr": 5e-2, "grad_clip": 0.0})
+    cfg = small_config(model_cache, trainer={"lr": 5e-2, "grad_clip": 0.0}, transport={"bucket_bytes": 300_000})
     run_dir = tmp_path_factory.mktemp("spine-run")
     j = Job.start(cfg, run_dir, prepare_model(cfg))
     yield j

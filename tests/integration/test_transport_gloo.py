@@ -217,4 +217,6 @@ def test_receiver_dying_mid_sync_fails_the_sender_fast() -> None:
     assert sender["raised"] == "TransportError", sender
     assert sender["send_s"] < KILL_TIMEOUT_S, sender
     assert "broadcast" in sender["error"] and "'weights'" in sender["error"]
+    # The error names the receiver that died, and only that one.
+    assert "dead peer(s): rank 2 (" in sender["error"] and "rank 1 (" not in sender["error"], sender
     assert reports[1]["error_type"] == "TransportError", reports[1]

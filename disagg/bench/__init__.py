@@ -1,0 +1,23 @@
+"""Benchmarks run as ``disagg bench <name>``: each prints ratios measured in one run.
+
+``transport``: the weight sync against a raw broadcast, one broadcast per
+parameter and Ray's object store (``disagg/bench/transport.py``).
+"""
+
+from __future__ import annotations
+
+import sys
+
+BENCHMARKS = {"transport": "weight sync vs raw broadcast, per-parameter broadcast and Ray's object store"}
+
+
+def main(argv: list[str]) -> int:
+    """Dispatch ``disagg bench <name> [flags]``."""
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in BENCHMARKS:
+        lines = "\n".join(f"  {name:<12} {what}" for name, what in BENCHMARKS.items())
+        print(f"usage: disagg bench <name> [flags]   (disagg bench <name> --help)\n\nbenchmarks:\n{lines}",
+              file=sys.stdout if argv and argv[0] in ("-h", "--help") else sys.stderr)
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    from disagg.bench.transport import main as transport_main
+
+    return transport_main(argv[1:])

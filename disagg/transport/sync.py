@@ -1,0 +1,210 @@
+"""Model-level weight sync: which trainer ranks send what, and how receivers rebuild it.
+
+Two source modes for a trainer sharded with FSDP2 over R ranks:
+
+- ``gather``: every rank walks the parameters in bucket order and materialises
+  each full tensor (``DTensor.full_tensor()``, a collective, so all ranks walk in
+  lockstep); rank 0 packs and broadcasts them over its group. The lazy tensor
+  source keeps at most the tensors of the buckets in flight on rank 0.
+- ``shards``: no gather. Trainer rank r broadcasts its own dim-0 shards over its
+  own group (rank r is that group's rank 0, every receiver is in every group);
+  receivers receive from all R groups at once and concatenate the shards before
+  loading. Separate groups are separate communicators, so the R sources really
+  send in parallel and the aggregate grows with the trainer's links.
+
+Shard sizes follow FSDP2's dim-0 ``torch.chunk`` split, a pure function of the
+full shape and R, so receivers derive every source's manifest from the one
+manifest the coordinator holds. This module never imports vLLM or Ray.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from disagg.errors import TransportError
+from disagg.transport.buckets import torch_dtype
+from disagg.transport.group import TransportGroup
+from disagg.transport.manifest import Manifest, TensorSpec, plan_buckets
+from disagg.transport.receiver import LoadFn, ReceiveStats, receive_weights
+from disagg.transport.sender import SendStats, WeightSender, build_manifest
+
+SOURCES = ("gather", "shards")
+
+
+def model_manifest(model: torch.nn.Module, bucket_bytes: int, policy_version: int, dtype: str | None = None) -> Manifest:
+    """The full-tensor manifest of ``model`` (DTensors contribute their global shape)."""
+    return build_manifest(model.named_parameters(), bucket_bytes, policy_version, dtype)
+
+
+def shard_sizes(dim0: int, num_sources: int) -> list[int]:
+    """Dim-0 length of each rank's FSDP2 shard: ``torch.chunk`` split, trailing ranks may get 0."""
+    chunk = math.ceil(dim0 / num_sources) if dim0 else 0
+    sizes, left = [], dim0
+    for _ in range(num_sources):
+        take = min(chunk, left)
+        sizes.append(take)
+        left -= take
+    return sizes
+
+
+def source_manifests(full: Manifest, num_sources: int) -> list[Manifest]:
+    """One manifest per source: its shard of every tensor, bucketed like ``full``.
+
+    A 0-dim tensor cannot be sharded: source 0 sends it whole.
+    """
+    out = []
+    for r in range(num_sources):
+        specs = []
+        for t in full.tensors:
+            if not t.shape:
+                if r == 0:
+                    specs.append(t)
+                continue
+            n = shard_sizes(t.shape[0], num_sources)[r]
+            if n:
+                specs.append(TensorSpec(t.name, (n, *t.shape[1:]), t.dtype))
+        out.append(plan_buckets(specs, full.bucket_bytes, full.policy_version))
+    return out
+
+
+def _materialise(p: torch.Tensor) -> torch.Tensor:
+    t = p.detach()
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    t = p.detach()
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _bucket_order(manifest: Manifest) -> list[str]:
+    seen: dict[str, None] = {}
+    for plan in manifest.buckets:
+        for e in plan.entries:
+            seen.setdefault(e.name, None)
+    return list(seen)
+
+
+def send_model(group: TransportGroup | None, model: torch.nn.Module, full: Manifest, *, source: str,
+               trainer_rank: int, num_trainer_ranks: int, num_buffers: int = 2, verify: bool = False,
+               sender: WeightSender | None = None) -> SendStats | None:
+    """Send ``model``'s parameters as ``full.policy_version``; call on every trainer rank.
+
+    ``group`` is this rank's source group (None for non-zero ranks in gather mode).
+    Returns the send statistics on ranks that sent, None on ranks that only gathered.
+    """
+    params = dict(model.named_parameters())
+    if source == "gather":
+        def iterate() -> Iterator[tuple[str, torch.Tensor]]:
+            # The same order on every rank: each full_tensor() is a collective.
+            for name in _bucket_order(full):
+                yield name, _materialise(params[name])
+
+        if trainer_rank != 0:
+            for _ in iterate():
+                pass
+            return None
+        sender = sender or WeightSender(group, 0, num_buffers, verify)
+        return sender.send(full, iterate)
+    if source != "shards":
+        raise ValueError(f"transport.source must be one of {SOURCES}, got {source!r}")
+    mine = source_manifests(full, num_trainer_ranks)[trainer_rank]
+    local = {t.name: _local(params[t.name]) for t in mine.tensors}
+    for t in mine.tensors:
+        if tuple(local[t.name].shape) != t.shape:
+            raise TransportError(f"trainer rank {trainer_rank}: local shard of {t.name!r} has shape "
+                                 f"{tuple(local[t.name].shape)}, expected {t.shape} (dim-0 FSDP2 sharding)")
+    sender = sender or WeightSender(group, 0, num_buffers, verify)
+    return sender.send(mine, local)
+
+
+class ShardAssembler:
+    """Concatenates each tensor's dim-0 shards from all sources, then loads it.
+
+    Thread-safe: every source's receive loop calls ``add`` from its own thread.
+    With ``defer`` nothing is loaded until ``finish`` (verify mode: a version is
+    loaded only if every source's buckets arrived intact).
+    """
+
+    def __init__(self, full: Manifest, num_sources: int, load_fn: LoadFn, device: torch.device, defer: bool):
+        self._load_fn, self._device, self._defer = load_fn, device, defer
+        self._specs = {t.name: t for t in full.tensors}
+        self._offsets: dict[str, list[int]] = {}
+        self._missing: dict[str, int] = {}
+        for t in full.tensors:
+            sizes = shard_sizes(t.shape[0], num_sources) if t.shape else [1] + [0] * (num_sources - 1)
+            self._offsets[t.name] = [sum(sizes[:r]) for r in range(num_sources)]
+            self._missing[t.name] = sum(1 for s in sizes if s)
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._ready: list[tuple[str, torch.Tensor]] = []
+        self._lock = threading.Lock()
+
+    def add(self, source: int, items: list[tuple[str, torch.Tensor]]) -> None:
+        with self._lock:
+            done = []
+            for name, shard in items:
+                spec = self._specs[name]
+                if not spec.shape:
+                    whole = shard.clone()
+                else:
+                    whole = self._buffers.get(name)
+                    if whole is None:
+                        whole = torch.empty(spec.shape, dtype=torch_dtype(spec.dtype), device=self._device)
+                        self._buffers[name] = whole
+                    start = self._offsets[name][source]
+                    whole[start : start + shard.shape[0]].copy_(shard)
+                self._missing[name] -= 1
+                if self._missing[name] == 0:
+                    done.append((name, self._buffers.pop(name, whole)))
+            if self._defer:
+                self._ready.extend(done)
+            elif done:
+                self._load_fn(done)
+
+    def finish(self) -> None:
+        incomplete = [n for n, k in self._missing.items() if k]
+        if incomplete:
+            raise TransportError(f"{len(incomplete)} tensors are missing shards (first {incomplete[:5]})")
+        if self._ready:
+            self._load_fn(self._ready)
+            self._ready = []
+
+
+def receive_model(groups: list[TransportGroup], full: Manifest, load_fn: LoadFn, *, device: torch.device,
+                  source: str, num_buffers: int = 2, verify: bool = False) -> ReceiveStats:
+    """Receive ``full.policy_version`` from one group (gather) or one group per trainer rank (shards)."""
+    t0 = time.perf_counter()
+    if source == "gather":
+        if len(groups) != 1:
+            raise ValueError(f"gather mode receives from one group, got {len(groups)}")
+        return receive_weights(groups[0], full, load_fn, device, 0, num_buffers, verify)
+    manifests = source_manifests(full, len(groups))
+    assembler = ShardAssembler(full, len(groups), load_fn, device, defer=verify)
+
+    def one(r: int) -> ReceiveStats:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # a fresh thread starts on device 0
+        return receive_weights(groups[r], manifests[r], lambda items: assembler.add(r, items), device, 0,
+                               num_buffers, verify)
+
+    with ThreadPoolExecutor(max_workers=len(groups), thread_name_prefix="disagg-recv") as pool:
+        futures = [pool.submit(one, r) for r in range(len(groups))]
+        stats = [f.result() for f in futures]  # every source's error surfaces here
+    assembler.finish()
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+    return ReceiveStats(bytes=sum(s.bytes for s in stats), seconds=time.perf_counter() - t0,
+                        num_buckets=sum(s.num_buckets for s in stats), num_tensors=len(full.tensors))
+
+
+def source_groups_needed(source: str, num_trainer_ranks: int) -> int:
+    """How many transport groups a sync uses: one, or one per trainer rank."""
+    return 1 if source == "gather" else num_trainer_ranks
+
+

@@ -1,0 +1,178 @@
+"""Model-level weight sync over real gloo groups between spawned processes.
+
+R trainer processes (FSDP2 over a gloo default group when R > 1) send a small
+model with mixed dtypes and a tensor larger than a bucket to 2 receiver
+processes, in both source modes, pipelined over 2 buffers; receivers must end
+bit-identical to the trainer's full weights. Checksum verification must reject
+a corrupted bucket and leave the receiver's previous weights in place.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+
+import pytest
+import torch
+
+HOST = "127.0.0.1"
+BUCKET_BYTES = 2048
+TIMEOUT_S = 20.0
+
+
+class _Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Parameter(torch.zeros(33, 24, dtype=torch.bfloat16))  # > 1 bucket, odd dim 0
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(24, 24) for _ in range(2))
+        self.head = torch.nn.Parameter(torch.zeros(5, 24))  # uneven shards: 3 + 2 rows
+        self.tiny = torch.nn.Parameter(torch.zeros(1, 3, dtype=torch.float16))  # rank 1 gets an empty shard
+
+
+def _fill(net: torch.nn.Module, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen).to(p.dtype))
+
+
+def _digest(net: torch.nn.Module) -> dict[str, list[float]]:
+    return {n: p.detach().float().reshape(-1).tolist() for n, p in net.named_parameters()}
+
+
+def _trainer(rank: int, world: int, receivers: int, ports: list[int], fsdp_port: int, source: str,
+             corrupt: bool, out: mp.Queue) -> None:
+    from disagg.transport.group import create_group
+    from disagg.transport.sync import model_manifest, send_model, source_groups_needed
+
+    torch.manual_seed(0)
+    net = _Net()
+    _fill(net, seed=11)
+    if world > 1:
+        import torch.distributed as dist
+        from torch.distributed.fsdp import fully_shard
+
+        dist.init_process_group("gloo", init_method=f"tcp://{HOST}:{fsdp_port}", rank=rank, world_size=world)
+        for layer in net.layers:
+            fully_shard(layer)
+        fully_shard(net)
+    full = model_manifest(net, BUCKET_BYTES, policy_version=5)
+    group = None
+    if rank < source_groups_needed(source, world):
+        group = create_group(host=HOST, port=ports[rank], rank=0, world_size=1 + receivers, backend="gloo",
+                             timeout_s=TIMEOUT_S, group_name=f"s{rank}")
+    from disagg.transport.sender import WeightSender
+
+    sender = WeightSender(group, 0, num_buffers=2, verify=corrupt) if group is not None else None
+    if sender is not None and corrupt:
+        def flip(index: int, packed: torch.Tensor) -> None:  # after the checksum: a wire corruption
+            if index == 1:
+                packed.view(torch.uint8)[3] ^= 0xFF
+        sender._after_pack = flip
+    stats = send_model(group, net, full, source=source, trainer_rank=rank, num_trainer_ranks=world,
+                       num_buffers=2, verify=corrupt, sender=sender)
+    full_weights = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().reshape(-1).tolist()
+                    for n, p in net.named_parameters()}
+    out.put({"role": "trainer", "rank": rank, "weights": full_weights,
+             "sent": None if stats is None else stats.bytes, "manifest_bytes": full.total_bytes})
+    if group is not None:
+        group.barrier()
+        group.destroy()
+
+
+def _receiver(index: int, receivers: int, num_groups: int, ports: list[int], source: str, verify: bool,
+              out: mp.Queue) -> None:
+    from disagg.errors import ChecksumError
+    from disagg.transport.group import create_group
+    from disagg.transport.receiver import TorchModelReceiver
+    from disagg.transport.sync import model_manifest, receive_model
+
+    net = _Net()
+    _fill(net, seed=99)  # the "previous version"
+    before = _digest(net)
+    groups = [create_group(host=HOST, port=ports[r], rank=1 + index, world_size=1 + receivers, backend="gloo",
+                           timeout_s=TIMEOUT_S, group_name=f"s{r}") for r in range(num_groups)]
+    full = model_manifest(net, BUCKET_BYTES, policy_version=5)
+    load = TorchModelReceiver.load_into_module(net)
+    rejected = None
+    try:
+        stats = receive_model(groups, full, load, device=torch.device("cpu"), source=source, num_buffers=2,
+                              verify=verify)
+        received = stats.bytes
+        load.assert_complete()
+    except ChecksumError as e:
+        rejected, received = str(e), None
+    out.put({"role": "receiver", "index": index, "weights": _digest(net), "before": before, "received": received,
+             "rejected": rejected, "group_bytes": sum(g.bytes_received for g in groups)})
+    for g in groups:
+        g.barrier()
+        g.destroy()
+
+
+def _run(trainers: int, source: str, corrupt: bool = False) -> list[dict]:
+    from disagg.transport.group import pick_free_port
+    from disagg.transport.sync import source_groups_needed
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    receivers = 2
+    num_groups = source_groups_needed(source, trainers)
+    ports = [pick_free_port(HOST) for _ in range(num_groups)]
+    fsdp_port = pick_free_port(HOST)
+    procs = [ctx.Process(target=_trainer, args=(r, trainers, receivers, ports, fsdp_port, source, corrupt, out))
+             for r in range(trainers)]
+    procs += [ctx.Process(target=_receiver, args=(j, receivers, num_groups, ports, source, corrupt, out))
+              for j in range(receivers)]
+    for p in procs:
+        p.start()
+    reports = []
+    try:
+        for _ in procs:
+            reports.append(out.get(timeout=120))
+    except queue.Empty:
+        pytest.fail(f"only {len(reports)} of {len(procs)} processes reported")
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    return reports
+
+
+@pytest.mark.parametrize("trainers, source", [(1, "gather"), (2, "gather"), (2, "shards")])
+def test_pipelined_sync_is_bit_identical(trainers, source):
+    reports = _run(trainers, source)
+    trainer0 = next(r for r in reports if r["role"] == "trainer" and r["rank"] == 0)
+    recvs = [r for r in reports if r["role"] == "receiver"]
+    assert len(recvs) == 2
+    for r in recvs:
+        assert r["rejected"] is None
+        assert r["weights"] == trainer0["weights"]  # exact float equality, every element
+        assert r["weights"] != r["before"]
+        assert r["received"] == r["group_bytes"]
+    sent = sum(r["sent"] or 0 for r in reports if r["role"] == "trainer")
+    if source == "shards":
+        # Every rank sent its own shards: together exactly one copy of the model.
+        assert all(r["sent"] for r in reports if r["role"] == "trainer")
+    else:
+        assert [r["sent"] is not None for r in sorted(reports, key=lambda r: r.get("rank", 9))
+                if r["role"] == "trainer"] == [True] + [False] * (trainers - 1)
+    assert sent == trainer0["manifest_bytes"]
+
+
+def test_checksum_mismatch_rejects_the_version_and_keeps_the_previous_weights():
+    reports = _run(1, "gather", corrupt=True)
+    for r in (x for x in reports if x["role"] == "receiver"):
+        assert r["rejected"] and "checksum mismatch" in r["rejected"]
+        assert r["weights"] == r["before"]  # nothing was loaded
+
+
+def test_shard_sizes_follow_torch_chunk():
+    from disagg.transport.sync import shard_sizes
+
+    for dim0 in (0, 1, 2, 3, 5, 33, 64):
+        for n in (1, 2, 3, 4):
+            want = [c.shape[0] for c in torch.arange(dim0).chunk(n)] if dim0 else []
+            got = shard_sizes(dim0, n)
+            assert len(got) == n and sum(got) == dim0
+            assert [g for g in got if g] == want
