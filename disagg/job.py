@@ -28,8 +28,8 @@ log = logging.getLogger("disagg.job")
 class SyncStats:
     policy_version: int
     bytes: int
-    seconds: float
-    send_s: float
+    seconds: float  # announce + broadcast + every engine's load and acknowledgement, seen by the driver
+    send_s: float  # the slowest sending trainer rank's own time on the wire (packing included)
     num_buckets: int
 
     @property

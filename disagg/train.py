@@ -95,6 +95,7 @@ def run(cfg: Config, run_dir: Path) -> Path:
                     "timing/weight_sync_s": sync.seconds,
                     "weight_sync/bytes": sync.bytes,
                     "weight_sync/gb_per_s": sync.gb_per_s,
+                    "weight_sync/send_s": sync.send_s,
                     "timing/step_s": time.perf_counter() - t0,
                     **{f"train/{k}": v for k, v in train.items()},
                 }

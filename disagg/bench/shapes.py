@@ -21,7 +21,8 @@ SHAPES: dict[str, dict[str, Any]] = {
                        intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True),
     "qwen2-7b": dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
                      intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False),
-    # The 0.5B layout (24 layers, 14 heads, 2 kv heads, tied) at a quarter of the width: 29.7M parameters, 59 MB in bf16.
+    # The 0.5B layout (24 layers, 14 heads, 2 kv heads, tied) at a quarter of the width:
+    # 29.7M parameters, 59 MB in bf16.
     "qwen2-0.5b-narrow": dict(hidden_size=224, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
                               intermediate_size=1216, vocab_size=32768, tie_word_embeddings=True),
     "tiny": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,

@@ -33,6 +33,7 @@ from typing import Any
 
 from disagg.bench.shapes import shape_names
 from disagg.logs import ray_get_logged, setup_logging
+from disagg.transport.manifest import Manifest
 
 log = logging.getLogger("disagg.bench")
 
@@ -279,8 +280,6 @@ def run(opts: BenchOptions) -> dict[str, Any]:
     try:
         bench = _Bench(opts, device)
         info = bench.setup(bucket_bytes)
-        from disagg.transport.manifest import Manifest
-
         manifest = Manifest.from_dict(info["manifest"])
         results: dict[str, dict[str, Any]] = {}
         for kind in ("raw", "per_param", "send", "send_load"):
@@ -356,7 +355,9 @@ def render(report: dict[str, Any]) -> None:
                   f"torch {report['torch']}{nccl}, {report['iterations']['repeats']} repeats after "
                   f"{report['iterations']['warmup']} warm-up")
     if report["peak_extra_bytes_rank0"] is not None:
-        console.print(f"trainer rank 0 peak extra memory during the sync: {report['peak_extra_bytes_rank0'] / 2**20:.0f} MiB")
+        console.print(f"trainer rank 0 peak extra memory during a sync: {report['peak_extra_bytes_rank0'] / 2**20:.0f} "
+                      f"MiB ({report['peak_extra_bytes_rank0_first_sync'] / 2**20:.0f} MiB in the first, "
+                      "which allocates the sender's buckets)")
     if report["check"] is not None:
         c = report["check"]
         console.print(f"check: {'passed' if c['passed'] else 'FAILED'} ({c['num_tensors']} tensors per receiver)"
@@ -364,7 +365,9 @@ def render(report: dict[str, Any]) -> None:
 
 
 def parse_args(argv: list[str]) -> tuple[BenchOptions, str | None]:
-    p = argparse.ArgumentParser(prog="disagg bench transport", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="disagg bench transport",
+        description="Weight sync vs raw broadcast, per-parameter broadcast and Ray's object store.")
     p.add_argument("--shape", default="tiny", choices=shape_names())
     p.add_argument("--trainer-ranks", type=int, default=1, help="trainer actors (> 1: FSDP2-sharded)")
     p.add_argument("--receivers", type=int, default=1)
@@ -387,8 +390,8 @@ def parse_args(argv: list[str]) -> tuple[BenchOptions, str | None]:
     a = p.parse_args(argv)
     opts = BenchOptions(
         shape=a.shape, num_trainer_ranks=a.trainer_ranks, num_receivers=a.receivers, device=a.device,
-        source=a.source, bucket_mb=a.bucket_mb, num_buffers=a.num_buffers, verify=a.verify, repeats=a.repeats, warmup=a.warmup,
-        dtype=a.dtype, skip=frozenset(x for x in a.skip.replace(",", " ").split()), check=a.check,
+        source=a.source, bucket_mb=a.bucket_mb, num_buffers=a.num_buffers, verify=a.verify, repeats=a.repeats,
+        warmup=a.warmup, dtype=a.dtype, skip=frozenset(x for x in a.skip.replace(",", " ").split()), check=a.check,
         object_store_max_bytes=a.object_store_max_bytes, address=a.address, timeout_s=a.timeout_s,
         log_level=a.log_level, argv=("disagg", "bench", "transport", *argv))
     return opts, a.json

@@ -16,8 +16,8 @@ time on a rank is the wall time of its own part, and the driver takes the
 slowest rank. Under FSDP every trainer rank must enter the full-tensor gathers
 in the same order, so a rank that sends nothing still walks the manifest.
 
-This module must never be imported by ``disagg`` itself: only the benchmark
-driver wraps these classes with ``ray.remote``.
+Only the benchmark driver uses this module (it wraps the classes with
+``ray.remote``); it must never import vLLM or grpc, which the GPU machines lack.
 """
 
 from __future__ import annotations
@@ -184,6 +184,11 @@ class BenchTrainer(_Member):
             for layer in model.model.layers:
                 fully_shard(layer)
             fully_shard(model)
+        else:
+            # As the trainer does: parameters in one flat buffer, so buckets go out without packing.
+            from disagg.transport.buckets import flatten_parameters
+
+            flatten_parameters(model)
         self.model = model
         return {"build_s": time.perf_counter() - t0, **self._environment()}
 
@@ -193,7 +198,8 @@ class BenchTrainer(_Member):
         env = {"torch": torch.__version__, "transformers": transformers.__version__,
                "torch_threads": torch.get_num_threads(), "nccl": None, "gpu": None}
         if self.device.type == "cuda":
-            env["nccl"] = ".".join(str(x) for x in torch.cuda.nccl.version())
+            version = torch.cuda.nccl.version()  # a tuple on recent torch, an int on old ones
+            env["nccl"] = ".".join(str(x) for x in version) if isinstance(version, tuple) else str(version)
             env["gpu"] = torch.cuda.get_device_name(self.device)
         return env
 

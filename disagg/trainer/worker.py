@@ -80,6 +80,12 @@ class TrainerWorker:
             for layer in model.model.layers:
                 fully_shard(layer)
             fully_shard(model)
+        elif self.transport_cfg.dtype in (None, "float32"):
+            # Parameters in one flat buffer in manifest order: every bucket of a weight
+            # sync is a slice of it and goes out without a packing copy.
+            from disagg.transport.buckets import flatten_parameters
+
+            flatten_parameters(model)
         self.model = model
         self.opt = torch.optim.AdamW(model.parameters(), lr=self.cfg.lr, betas=self.cfg.betas,
                                      weight_decay=self.cfg.weight_decay)

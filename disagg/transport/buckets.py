@@ -103,6 +103,58 @@ def pack_bucket(
     return flat_out
 
 
+def contiguous_bucket(plan: BucketPlan, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
+    """The bucket as a view of existing memory, if its sources already lie there in plan order.
+
+    True when the sources are slices of one flat storage laid out exactly as the
+    plan packs them (parameters kept in a flat buffer, see ``flatten_parameters``):
+    the bucket is then sent straight from the parameters, with no packing copy.
+    """
+    dtype = torch_dtype(plan.dtype)
+    if not plan.entries:
+        return None
+    first = tensors[plan.entries[0].name]
+    if first.dtype != dtype or not first.is_contiguous():
+        return None
+    item = first.element_size()
+    storage = first.untyped_storage()
+    base = first.data_ptr() + plan.entries[0].tensor_offset * item
+    for e in plan.entries:
+        t = tensors[e.name]
+        if (t.dtype != dtype or not t.is_contiguous() or t.untyped_storage().data_ptr() != storage.data_ptr()
+                or t.data_ptr() + e.tensor_offset * item != base + e.bucket_offset * item):
+            return None
+    offset = (base - storage.data_ptr()) // item
+    return torch.empty(0, dtype=dtype, device=first.device).set_(storage, offset, (plan.numel,))
+
+
+def flatten_parameters(module: torch.nn.Module, order: list[str] | None = None) -> dict[torch.dtype, torch.Tensor]:
+    """Move ``module``'s parameters into one flat buffer per dtype (each parameter a view of it).
+
+    In ``order`` (default: ``named_parameters`` order), which should be the
+    manifest's, so that every bucket of a sync is a slice of a flat buffer and is
+    sent without a packing copy. Not for FSDP-sharded modules. Returns the buffers.
+    """
+    params = dict(module.named_parameters())
+    names = order or list(params)
+    by_dtype: dict[torch.dtype, list[str]] = {}
+    for n in names:
+        by_dtype.setdefault(params[n].dtype, []).append(n)
+    flats = {}
+    with torch.no_grad():
+        for dtype, group in by_dtype.items():
+            total = sum(params[n].numel() for n in group)
+            flat = torch.empty(total, dtype=dtype, device=params[group[0]].device)
+            off = 0
+            for n in group:
+                p = params[n]
+                flat[off : off + p.numel()].copy_(p.data.reshape(-1))
+                p.data = flat[off : off + p.numel()].view(p.shape)
+                off += p.numel()
+            flats[dtype] = flat
+    return flats
+
+
 class Reassembler:
     """Turns received buckets back into the manifest's named tensors.
 

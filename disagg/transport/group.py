@@ -114,6 +114,7 @@ class TransportGroup:
         self.bytes_sent = 0
         self.bytes_received = 0
         self._broken: str | None = None
+        self.buffers: dict = {}  # receive buffers kept across syncs of one layout (receiver.py)
         self._prefix = PrefixStore(name, store)
         self._heartbeat = _Heartbeat(self._prefix, rank)
         self._heartbeat.start()
@@ -217,7 +218,7 @@ class TransportGroup:
                     self._fail(what, _brief(e), e)
             else:
                 time.sleep(pause)
-                pause = min(pause * 2, 2e-3)
+                pause = min(pause * 2, 2e-4)
 
     def _fail(self, what: str, reason: str, cause: BaseException | None) -> NoReturn:
         self._broken = f"{what} failed: {reason}"
@@ -239,16 +240,30 @@ class TransportGroup:
 
 
 class PendingOp:
-    """A started collective; ``wait()`` blocks with the group's timeout and counts its bytes once."""
+    """A started collective. ``wait()`` blocks with the group's timeout and counts its bytes once.
+
+    ``wait(host=False)`` on NCCL only orders the current CUDA stream after the op
+    (no host block): later kernels that reuse the buffer run after it, while the
+    host keeps enqueueing. A final ``wait()`` then catches failures and timeouts.
+    On gloo both block the host.
+    """
 
     def __init__(self, group: TransportGroup, work: dist.Work, what: str, nbytes: int, sent: bool) -> None:
         self._group, self._work, self._what, self._nbytes, self._sent = group, work, what, nbytes, sent
+        self._ordered = False
         self.done = False
 
-    def wait(self) -> None:
+    def wait(self, host: bool = True) -> None:
         if self.done:
             return
+        if not host and self._group.backend == "nccl":
+            if not self._ordered:
+                self._work.wait()  # the current stream waits on the NCCL stream
+                self._ordered = True
+            return
         self._group._wait(self._work, self._what)
+        if self._group.backend == "nccl" and not self._ordered:
+            self._work.wait()
         self.done = True
         if self._sent:
             self._group.bytes_sent += self._nbytes

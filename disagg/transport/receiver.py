@@ -75,7 +75,7 @@ def receive_weights(
             f"receiver's ({diffs}); refusing to load"
         )
     reassembler = Reassembler(manifest, device=device)
-    slots = [bucket_buffers(manifest, device) for _ in range(num_buffers)]
+    slots = _slots(group, manifest, device, num_buffers)
     buckets = manifest.buckets
     pending: dict[int, tuple[list, torch.Tensor, torch.Tensor | None]] = {}
 
@@ -94,10 +94,12 @@ def receive_weights(
     staged: list[tuple[str, torch.Tensor]] = []
     corrupt: list[int] = []
     num_tensors = 0
+    finished: list = []
     for i, plan in enumerate(buckets):
         ops, buf, checksum = pending.pop(i)
         for op in ops:
-            op.wait()
+            op.wait(host=verify)  # NCCL: the loads below are stream-ordered after the receive
+            finished.append(op)
         if verify and not torch.equal(bucket_checksum(buf), checksum):
             corrupt.append(plan.index)
         done = reassembler.feed(plan, buf)
@@ -109,6 +111,8 @@ def receive_weights(
         # Only now is this bucket's buffer free for the bucket num_buffers ahead.
         if i + num_buffers < len(buckets):
             post(i + num_buffers)
+    for op in finished:  # host-side completion: timeouts, errors, byte counts
+        op.wait()
     rest = reassembler.finish()
     num_tensors += len(rest)
     if corrupt:
@@ -126,6 +130,16 @@ def receive_weights(
               group.name, group.rank, manifest.policy_version, num_tensors, stats.num_buckets,
               stats.bytes / 2**20, stats.seconds)
     return stats
+
+
+def _slots(group: TransportGroup, manifest: Manifest, device: torch.device,
+           num_buffers: int) -> list[dict[str, torch.Tensor]]:
+    """Receive buffers, kept on the group across syncs of the same layout (fresh pages cost as much as the wire on CPU)."""
+    key = (manifest.layout_digest(), str(device), num_buffers)
+    if key not in group.buffers:
+        group.buffers.clear()
+        group.buffers[key] = [bucket_buffers(manifest, device) for _ in range(num_buffers)]
+    return group.buffers[key]
 
 
 class TorchModelReceiver:

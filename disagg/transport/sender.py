@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from disagg.transport.buckets import bucket_buffers, bucket_checksum, dtype_name, pack_bucket, torch_dtype
+from disagg.transport.buckets import (bucket_buffers, bucket_checksum, contiguous_bucket, dtype_name, pack_bucket,
+                                     torch_dtype)
 from disagg.transport.group import TransportGroup
 from disagg.transport.manifest import DTYPE_BYTES, BucketPlan, Manifest, TensorSpec, plan_buckets
 
@@ -122,8 +123,10 @@ class WeightSender:
 
     Pipelined over ``num_buffers`` bucket buffers: while bucket i is on the wire,
     bucket i+1 is packed (and, through a lazy tensor source, gathered) into the
-    next buffer; a buffer is reused only after its broadcast completed. With
-    ``verify`` each bucket is followed by its checksum.
+    next buffer; a buffer is reused only after its broadcast completed. A bucket
+    whose tensors already lie in one flat buffer in plan order (see
+    ``flatten_parameters``) is sent as a view, without packing. With ``verify``
+    each bucket is followed by its checksum.
     """
 
     def __init__(self, group: TransportGroup, src: int = 0, num_buffers: int = 2, verify: bool = False) -> None:
@@ -160,11 +163,17 @@ class WeightSender:
         self.group.broadcast(header, self.src, count_bytes=False)
         slots = self._buffers(manifest)
         in_flight: deque = deque()
+        finished: list = []
         for i, plan in enumerate(manifest.buckets):
             if len(in_flight) == self.num_buffers:
+                # This slot's previous bucket must be off the wire before it is repacked.
                 for op in in_flight.popleft():
-                    op.wait()
-            packed = pack_bucket(plan, source.take(plan), out=slots[i % self.num_buffers][plan.dtype])
+                    op.wait(host=False)
+                    finished.append(op)
+            tensors = source.take(plan)
+            packed = contiguous_bucket(plan, tensors) if self._after_pack is None else None
+            if packed is None:
+                packed = pack_bucket(plan, tensors, out=slots[i % self.num_buffers][plan.dtype])
             ops = []
             if self.verify:
                 checksum = bucket_checksum(packed)
@@ -175,9 +184,9 @@ class WeightSender:
                 ops.append(self.group.broadcast_async(checksum, self.src, count_bytes=False))
             in_flight.append(ops)
             source.release(plan)
-        for ops in in_flight:
-            for op in ops:
-                op.wait()
+        # Host-side completion (timeouts, errors, byte counts), oldest first.
+        for op in finished + [op for ops in in_flight for op in ops]:
+            op.wait()
         if self.group.device.type == "cuda":
             torch.cuda.current_stream(self.group.device).synchronize()
         seconds = time.perf_counter() - t0

@@ -37,30 +37,39 @@ def _fill(net: torch.nn.Module, seed: int) -> None:
 
 
 def _digest(net: torch.nn.Module) -> dict[str, list[float]]:
-    return {n: p.detach().float().reshape(-1).tolist() for n, p in net.named_parameters()}
+    return {n: p.detach().float().cpu().reshape(-1).tolist() for n, p in net.named_parameters()}
+
+
+def _device(backend: str, index: int) -> torch.device:
+    if backend == "nccl":
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    return torch.device("cpu")
 
 
 def _trainer(rank: int, world: int, receivers: int, ports: list[int], fsdp_port: int, source: str,
-             corrupt: bool, out: mp.Queue) -> None:
+             corrupt: bool, backend: str, out: mp.Queue) -> None:
     from disagg.transport.group import create_group
     from disagg.transport.sync import model_manifest, send_model, source_groups_needed
 
+    device = _device(backend, rank)
     torch.manual_seed(0)
     net = _Net()
     _fill(net, seed=11)
+    net.to(device)
     if world > 1:
         import torch.distributed as dist
         from torch.distributed.fsdp import fully_shard
 
-        dist.init_process_group("gloo", init_method=f"tcp://{HOST}:{fsdp_port}", rank=rank, world_size=world)
+        dist.init_process_group(backend, init_method=f"tcp://{HOST}:{fsdp_port}", rank=rank, world_size=world)
         for layer in net.layers:
             fully_shard(layer)
         fully_shard(net)
     full = model_manifest(net, BUCKET_BYTES, policy_version=5)
     group = None
     if rank < source_groups_needed(source, world):
-        group = create_group(host=HOST, port=ports[rank], rank=0, world_size=1 + receivers, backend="gloo",
-                             timeout_s=TIMEOUT_S, group_name=f"s{rank}")
+        group = create_group(host=HOST, port=ports[rank], rank=0, world_size=1 + receivers, backend=backend,
+                             timeout_s=TIMEOUT_S, group_name=f"s{rank}", device=device)
     from disagg.transport.sender import WeightSender
 
     sender = WeightSender(group, 0, num_buffers=2, verify=corrupt) if group is not None else None
@@ -71,7 +80,7 @@ def _trainer(rank: int, world: int, receivers: int, ports: list[int], fsdp_port:
         sender._after_pack = flip
     stats = send_model(group, net, full, source=source, trainer_rank=rank, num_trainer_ranks=world,
                        num_buffers=2, verify=corrupt, sender=sender)
-    full_weights = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().reshape(-1).tolist()
+    full_weights = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().cpu().reshape(-1).tolist()
                     for n, p in net.named_parameters()}
     out.put({"role": "trainer", "rank": rank, "weights": full_weights,
              "sent": None if stats is None else stats.bytes, "manifest_bytes": full.total_bytes})
@@ -81,23 +90,24 @@ def _trainer(rank: int, world: int, receivers: int, ports: list[int], fsdp_port:
 
 
 def _receiver(index: int, receivers: int, num_groups: int, ports: list[int], source: str, verify: bool,
-              out: mp.Queue) -> None:
+              backend: str, first_device: int, out: mp.Queue) -> None:
     from disagg.errors import ChecksumError
     from disagg.transport.group import create_group
     from disagg.transport.receiver import TorchModelReceiver
     from disagg.transport.sync import model_manifest, receive_model
 
+    device = _device(backend, first_device + index)
     net = _Net()
     _fill(net, seed=99)  # the "previous version"
+    net.to(device)
     before = _digest(net)
-    groups = [create_group(host=HOST, port=ports[r], rank=1 + index, world_size=1 + receivers, backend="gloo",
-                           timeout_s=TIMEOUT_S, group_name=f"s{r}") for r in range(num_groups)]
+    groups = [create_group(host=HOST, port=ports[r], rank=1 + index, world_size=1 + receivers, backend=backend,
+                           timeout_s=TIMEOUT_S, group_name=f"s{r}", device=device) for r in range(num_groups)]
     full = model_manifest(net, BUCKET_BYTES, policy_version=5)
     load = TorchModelReceiver.load_into_module(net)
     rejected = None
     try:
-        stats = receive_model(groups, full, load, device=torch.device("cpu"), source=source, num_buffers=2,
-                              verify=verify)
+        stats = receive_model(groups, full, load, device=device, source=source, num_buffers=2, verify=verify)
         received = stats.bytes
         load.assert_complete()
     except ChecksumError as e:
@@ -109,20 +119,20 @@ def _receiver(index: int, receivers: int, num_groups: int, ports: list[int], sou
         g.destroy()
 
 
-def _run(trainers: int, source: str, corrupt: bool = False) -> list[dict]:
+def _run(trainers: int, source: str, corrupt: bool = False, backend: str = "gloo", receivers: int = 2) -> list[dict]:
+    """Spawn the trainers and receivers (on NCCL: one GPU each, trainers first) and collect their reports."""
     from disagg.transport.group import pick_free_port
     from disagg.transport.sync import source_groups_needed
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    receivers = 2
     num_groups = source_groups_needed(source, trainers)
     ports = [pick_free_port(HOST) for _ in range(num_groups)]
     fsdp_port = pick_free_port(HOST)
-    procs = [ctx.Process(target=_trainer, args=(r, trainers, receivers, ports, fsdp_port, source, corrupt, out))
-             for r in range(trainers)]
-    procs += [ctx.Process(target=_receiver, args=(j, receivers, num_groups, ports, source, corrupt, out))
-              for j in range(receivers)]
+    procs = [ctx.Process(target=_trainer, args=(r, trainers, receivers, ports, fsdp_port, source, corrupt, backend,
+                                                out)) for r in range(trainers)]
+    procs += [ctx.Process(target=_receiver, args=(j, receivers, num_groups, ports, source, corrupt, backend, trainers,
+                                                  out)) for j in range(receivers)]
     for p in procs:
         p.start()
     reports = []
@@ -139,12 +149,10 @@ def _run(trainers: int, source: str, corrupt: bool = False) -> list[dict]:
     return reports
 
 
-@pytest.mark.parametrize("trainers, source", [(1, "gather"), (2, "gather"), (2, "shards")])
-def test_pipelined_sync_is_bit_identical(trainers, source):
-    reports = _run(trainers, source)
+def check_bit_identical(reports: list[dict], trainers: int, source: str) -> None:
     trainer0 = next(r for r in reports if r["role"] == "trainer" and r["rank"] == 0)
     recvs = [r for r in reports if r["role"] == "receiver"]
-    assert len(recvs) == 2
+    assert recvs
     for r in recvs:
         assert r["rejected"] is None
         assert r["weights"] == trainer0["weights"]  # exact float equality, every element
@@ -158,6 +166,11 @@ def test_pipelined_sync_is_bit_identical(trainers, source):
         assert [r["sent"] is not None for r in sorted(reports, key=lambda r: r.get("rank", 9))
                 if r["role"] == "trainer"] == [True] + [False] * (trainers - 1)
     assert sent == trainer0["manifest_bytes"]
+
+
+@pytest.mark.parametrize("trainers, source", [(1, "gather"), (1, "shards"), (2, "gather"), (2, "shards")])
+def test_pipelined_sync_is_bit_identical(trainers, source):
+    check_bit_identical(_run(trainers, source), trainers, source)
 
 
 def test_checksum_mismatch_rejects_the_version_and_keeps_the_previous_weights():
