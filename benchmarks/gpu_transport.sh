@@ -30,7 +30,8 @@ failed=0
 bench() {  # bench NAME FLAGS...: one run, its report in $out/NAME.json
   local name=$1; shift
   echo "=== $name: disagg bench transport $*" | tee -a "$log"
-  python3 -m disagg bench transport --device cuda --check --json "$out/$name.json" "$@" 2>&1 | tee -a "$log"
+  timeout "${BENCH_LIMIT_S:-240}" python3 -m disagg bench transport --device cuda --check --timeout-s 60 \
+    --json "$out/$name.json" "$@" 2>&1 | tee -a "$log"
   local rc=${PIPESTATUS[0]}
   if [ "$rc" -ne 0 ]; then echo "=== $name failed (exit $rc)" | tee -a "$log"; failed=1; fi
 }
@@ -57,7 +58,13 @@ case "$matrix" in
     for source in gather shards; do
       bench "qwen2-7b_2to2_$source" --shape qwen2-7b --trainer-ranks 2 --receivers 2 --source "$source"
     done
-    for shape in qwen2-0.5b qwen2-1.5b qwen2-7b; do bench "${shape}_1to1" --shape "$shape"; done ;;
-  *) echo "unknown matrix $matrix (2, 4, 4a, 4b or smoke)" >&2; exit 2 ;;
+    for shape in qwen2-0.5b qwen2-1.5b qwen2-7b; do bench "${shape}_1to1" --shape "$shape"; done
+    # Bucket size against the per-op pipeline drain (1 -> 3; (e) is in the 4a runs).
+    for mb in 512 2048; do bench "qwen2-7b_1to3_b$mb" --shape qwen2-7b --receivers 3 --bucket-mb $mb --skip e; done
+    bench "qwen2-1.5b_1to3_b1024" --shape qwen2-1.5b --receivers 3 --skip e ;;
+  4c)  # after the shards deadlock fix: 2 -> 2 shards (7B), then 1 -> 1 for the three shapes
+    bench qwen2-7b_2to2_shards --shape qwen2-7b --trainer-ranks 2 --receivers 2 --source shards --skip e
+    for shape in qwen2-0.5b qwen2-1.5b qwen2-7b; do bench "${shape}_1to1" --shape "$shape" --skip e; done ;;
+  *) echo "unknown matrix $matrix (2, 4, 4a, 4b, 4c or smoke)" >&2; exit 2 ;;
 esac
 exit $failed

@@ -61,7 +61,7 @@ class BenchOptions:
     num_receivers: int = 1  # receiver actors
     device: str = "auto"  # cpu, cuda, or auto (cuda when this process sees a GPU)
     source: str = "gather"  # gather: rank 0 sends full tensors; shards: every trainer rank sends its shard
-    bucket_mb: int | None = None  # bucket size in MiB; default 512 on cuda, 64 on cpu
+    bucket_mb: int | None = None  # bucket size in MiB; default 1024 on cuda, 64 on cpu
     num_buffers: int = 2  # bucket buffers per side: packing/loading one bucket overlaps the wire of the next
     verify: bool = False  # per-bucket checksums (transport.verify), to measure their cost
     repeats: int = 5  # timed iterations per measurement; the median is reported
@@ -268,7 +268,7 @@ def run(opts: BenchOptions) -> dict[str, Any]:
 
     _validate(opts)
     device = _resolve_device(opts)
-    bucket_bytes = (opts.bucket_mb or (512 if device == "cuda" else 64)) * 2**20
+    bucket_bytes = (opts.bucket_mb or (1024 if device == "cuda" else 64)) * 2**20
     started = not ray.is_initialized()
     if started:
         if opts.address:
@@ -373,7 +373,7 @@ def parse_args(argv: list[str]) -> tuple[BenchOptions, str | None]:
     p.add_argument("--receivers", type=int, default=1)
     p.add_argument("--device", default="auto", choices=("cpu", "cuda", "auto"))
     p.add_argument("--source", default="gather", choices=("gather", "shards"))
-    p.add_argument("--bucket-mb", type=int, default=None, help="bucket size in MiB (default 512 on cuda, 64 on cpu)")
+    p.add_argument("--bucket-mb", type=int, default=None, help="bucket size in MiB (default 1024 on cuda, 64 on cpu)")
     p.add_argument("--num-buffers", type=int, default=2, help="bucket buffers per side (pipeline depth)")
     p.add_argument("--verify", action="store_true", help="per-bucket checksums (transport.verify)")
     p.add_argument("--repeats", type=int, default=5)

@@ -142,6 +142,7 @@ class ShardAssembler:
             self._offsets[t.name] = [sum(sizes[:r]) for r in range(num_sources)]
             self._missing[t.name] = sum(1 for s in sizes if s)
         self._buffers: dict[str, torch.Tensor] = {}
+        self._events: dict[str, list] = {}  # CUDA: each source's copy, to order the load after all of them
         self._ready: list[tuple[str, torch.Tensor]] = []
         self._lock = threading.Lock()
 
@@ -159,8 +160,14 @@ class ShardAssembler:
                         self._buffers[name] = whole
                     start = self._offsets[name][source]
                     whole[start : start + shard.shape[0]].copy_(shard)
+                if whole.is_cuda:  # the copy ran on this source's stream; the load may run on another
+                    event = torch.cuda.Event()
+                    event.record()
+                    self._events.setdefault(name, []).append(event)
                 self._missing[name] -= 1
                 if self._missing[name] == 0:
+                    for event in self._events.pop(name, []):
+                        torch.cuda.current_stream().wait_event(event)
                     done.append((name, self._buffers.pop(name, whole)))
             if self._defer:
                 self._ready.extend(done)
@@ -188,14 +195,23 @@ def receive_model(groups: list[TransportGroup], full: Manifest, load_fn: LoadFn,
     assembler = ShardAssembler(full, len(groups), load_fn, device, defer=verify)
 
     def one(r: int) -> ReceiveStats:
-        if device.type == "cuda":
-            torch.cuda.set_device(device)  # a fresh thread starts on device 0
-        return receive_weights(groups[r], manifests[r], lambda items: assembler.add(r, items), device, 0,
-                               num_buffers, verify)
+        if device.type != "cuda":
+            return receive_weights(groups[r], manifests[r], lambda items: assembler.add(r, items), device, 0,
+                                   num_buffers, verify)
+        torch.cuda.set_device(device)  # a fresh thread starts on device 0
+        # One stream per source: group r's NCCL stream then depends on nothing but its own
+        # receives and copies. Through a shared stream, two communicators would wait on
+        # each other in different orders on different receivers, a deadlock.
+        with torch.cuda.stream(torch.cuda.Stream(device)):
+            stats = receive_weights(groups[r], manifests[r], lambda items: assembler.add(r, items), device, 0,
+                                    num_buffers, verify)
+        return stats
 
     with ThreadPoolExecutor(max_workers=len(groups), thread_name_prefix="disagg-recv") as pool:
         futures = [pool.submit(one, r) for r in range(len(groups))]
         stats = [f.result() for f in futures]  # every source's error surfaces here
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # every source stream's copies are done
     assembler.finish()
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
