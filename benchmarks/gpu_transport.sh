@@ -65,6 +65,10 @@ case "$matrix" in
   4c)  # after the shards deadlock fix: 2 -> 2 shards (7B), then 1 -> 1 for the three shapes
     bench qwen2-7b_2to2_shards --shape qwen2-7b --trainer-ranks 2 --receivers 2 --source shards --skip e
     for shape in qwen2-0.5b qwen2-1.5b qwen2-7b; do bench "${shape}_1to1" --shape "$shape" --skip e; done ;;
-  *) echo "unknown matrix $matrix (2, 4, 4a, 4b, 4c or smoke)" >&2; exit 2 ;;
+  4d)  # after the cross-stream allocator fix: GPU tests, 2 -> 2 shards (7B), 1 -> 3 (7B) with 1 GiB buckets
+    python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee -a "$log" "$out/gpu_tests.log" | tail -3
+    bench qwen2-7b_2to2_shards --shape qwen2-7b --trainer-ranks 2 --receivers 2 --source shards --skip e
+    bench qwen2-7b_1to3_b1024 --shape qwen2-7b --receivers 3 --skip e ;;
+  *) echo "unknown matrix $matrix (2, 4, 4a, 4b, 4c, 4d or smoke)" >&2; exit 2 ;;
 esac
 exit $failed

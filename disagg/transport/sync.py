@@ -160,7 +160,11 @@ class ShardAssembler:
                         self._buffers[name] = whole
                     start = self._offsets[name][source]
                     whole[start : start + shard.shape[0]].copy_(shard)
-                if whole.is_cuda:  # the copy ran on this source's stream; the load may run on another
+                if whole.is_cuda:
+                    # Written on this source's stream, allocated on maybe another one: keep the
+                    # allocator from handing the block out again before this stream is done
+                    # with it, and let the load (on whichever stream completes it) wait for it.
+                    whole.record_stream(torch.cuda.current_stream())
                     event = torch.cuda.Event()
                     event.record()
                     self._events.setdefault(name, []).append(event)
