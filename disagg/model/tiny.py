@@ -10,27 +10,12 @@ the same directory. The warm start (``warmstart.py``) turns this into the
 from __future__ import annotations
 
 import string
-from dataclasses import dataclass
 from pathlib import Path
+
+from disagg.config import TinyModelConfig
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]
 CHARS = string.digits + string.ascii_lowercase + " +-*=:?.,()#"
-
-
-@dataclass(frozen=True)
-class TinyModelSpec:
-    """Shape of the embedded model (see ``model.tiny`` in the config)."""
-
-    hidden_size: int = 128
-    num_layers: int = 2
-    num_heads: int = 2
-    intermediate_size: int = 256
-    max_position_embeddings: int = 256
-    tie_word_embeddings: bool = True
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
 
 
 def vocab() -> list[str]:
@@ -56,15 +41,11 @@ def build_tokenizer():
     )
 
 
-def build_model(spec: TinyModelSpec, seed: int):
-    """A randomly initialised ``Qwen2ForCausalLM`` of ``spec``'s shape (fp32)."""
+def build_model(spec: TinyModelConfig, seed: int):
+    """A randomly initialised ``Qwen2ForCausalLM`` of ``spec``'s shape (fp32, tied embeddings)."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    if spec.head_dim not in (32, 64, 128):
-        raise ValueError(
-            f"model.tiny.hidden_size/num_heads = {spec.head_dim}: vLLM's CPU attention needs head_dim 32, 64 or 128"
-        )
     n_vocab = len(vocab())
     cfg = Qwen2Config(
         vocab_size=n_vocab,
@@ -74,7 +55,7 @@ def build_model(spec: TinyModelSpec, seed: int):
         num_attention_heads=spec.num_heads,
         num_key_value_heads=spec.num_heads,
         max_position_embeddings=spec.max_position_embeddings,
-        tie_word_embeddings=spec.tie_word_embeddings,
+        tie_word_embeddings=True,
         pad_token_id=0,
         bos_token_id=1,
         eos_token_id=2,

@@ -64,12 +64,10 @@ def prepare_model(cfg: Config) -> Path:
 def _build_and_warm_start(cfg: Config, out: Path) -> None:
     import torch
 
-    from disagg.model.tiny import TinyModelSpec, build_model, build_tokenizer, save_checkpoint
+    from disagg.model.tiny import build_model, build_tokenizer, save_checkpoint
     from disagg.tasks.reverse import ReverseDigitsSource
 
-    t = cfg.model.tiny
-    spec = TinyModelSpec(t.hidden_size, t.num_layers, t.num_heads, t.intermediate_size, t.max_position_embeddings)
-    model = build_model(spec, seed=cfg.model.seed)
+    model = build_model(cfg.model.tiny, seed=cfg.model.seed)
     tok = build_tokenizer()
     ws = cfg.model.warmstart
     if ws.steps > 0:
