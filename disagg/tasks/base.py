@@ -42,6 +42,7 @@ def get_reward(name: str | None, path: str | None) -> RewardFn:
             raise ConfigError(f"reward.path={path!r}: {mod_name!r} has no callable {fn_name!r}")
         return fn
     import disagg.tasks.reverse  # noqa: F401  (registers the built-in rewards)
+    import disagg.tasks.code  # noqa: F401
 
     if name not in _REWARDS:
         raise ConfigError(f"reward.name={name!r} is not registered; known: {sorted(_REWARDS)}")

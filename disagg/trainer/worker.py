@@ -70,9 +70,9 @@ class TrainerWorker:
             backend = "nccl" if self.device.type == "cuda" else "gloo"
             dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=self.rank,
                                     world_size=self.world_size, timeout=timedelta(seconds=self.transport_cfg.timeout_s))
-        model = AutoModelForCausalLM.from_pretrained(self.model_path, torch_dtype=torch.float32).to(self.device)
+        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32).to(self.device)
         if self.algo.kl_coef > 0:
-            self.ref_model = AutoModelForCausalLM.from_pretrained(self.model_path, torch_dtype=torch.float32).to(self.device)
+            self.ref_model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32).to(self.device)
             self.ref_model.eval().requires_grad_(False)
         if self.world_size > 1:
             from torch.distributed.fsdp import fully_shard
