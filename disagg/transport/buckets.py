@@ -32,15 +32,15 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def bucket_buffers(manifest: Manifest, device: torch.device) -> dict[str, torch.Tensor]:
-    """One flat buffer per dtype, as large as that dtype's largest bucket.
+def bucket_buffers(manifest: Manifest, device: torch.device, slack: int = 0) -> dict[str, torch.Tensor]:
+    """One flat buffer per dtype, as large as that dtype's largest bucket (plus ``slack`` elements).
 
     One such set is one pipeline slot: every bucket of a dtype that goes through
     the slot reuses the same buffer (sliced to its size).
     """
     sizes: dict[str, int] = {}
     for plan in manifest.buckets:
-        sizes[plan.dtype] = max(sizes.get(plan.dtype, 0), plan.numel)
+        sizes[plan.dtype] = max(sizes.get(plan.dtype, 0), plan.numel + slack)
     return {dt: torch.empty(n, dtype=torch_dtype(dt), device=device) for dt, n in sizes.items()}
 
 

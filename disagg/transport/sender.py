@@ -31,6 +31,19 @@ log = logging.getLogger(__name__)
 NamedTensors = Mapping[str, torch.Tensor] | Callable[[], Iterable[tuple[str, torch.Tensor]]]
 
 
+class BucketFill:
+    """Writes one bucket's elements into a buffer: ``fill(plan, buf)``.
+
+    ``slack`` is how many elements past ``plan.numel`` it may write (scratch space
+    a gather needs); every buffer handed to it is that much longer.
+    """
+
+    slack: int = 0
+
+    def __call__(self, plan: BucketPlan, buf: torch.Tensor) -> None:
+        raise NotImplementedError
+
+
 @dataclass(frozen=True)
 class SendStats:
     bytes: int  # payload bytes broadcast (the manifest's total_bytes)
@@ -142,26 +155,31 @@ class WeightSender:
         self._slots: list[dict[str, torch.Tensor]] = []
         self._slots_key: str | None = None
 
-    def _buffers(self, manifest: Manifest) -> list[dict[str, torch.Tensor]]:
-        key = manifest.layout_digest()
+    def _buffers(self, manifest: Manifest, slack: int = 0) -> list[dict[str, torch.Tensor]]:
+        key = f"{manifest.layout_digest()}+{slack}"
         if self._slots_key != key:  # kept across syncs of the same layout
-            self._slots = [bucket_buffers(manifest, self.group.device) for _ in range(self.num_buffers)]
+            self._slots = [bucket_buffers(manifest, self.group.device, slack) for _ in range(self.num_buffers)]
             self._slots_key = key
         return self._slots
 
-    def send(self, manifest: Manifest, named_tensors: NamedTensors) -> SendStats:
+    def send(self, manifest: Manifest, named_tensors: NamedTensors | None = None,
+             fill: BucketFill | None = None) -> SendStats:
         """Send every bucket of ``manifest`` in order; every receiver must be receiving.
 
-        ``named_tensors`` is a mapping name -> full tensor, or a callable returning
-        an iterable of (name, tensor) in manifest order. Raises ``ValueError`` for a
-        tensor missing or of the wrong shape (receivers then time out), and
-        ``TransportError`` when a broadcast fails.
+        The buckets' contents come from ``named_tensors`` - a mapping name -> full
+        tensor, or a callable returning an iterable of (name, tensor) in manifest
+        order - or from ``fill``, which writes a bucket's elements into the buffer
+        it is given (e.g. gathering FSDP shards straight into it). Raises
+        ``ValueError`` for a tensor missing or of the wrong shape (receivers then
+        time out), and ``TransportError`` when a broadcast fails.
         """
+        if (named_tensors is None) == (fill is None):
+            raise ValueError("WeightSender.send needs exactly one of named_tensors and fill")
         t0 = time.perf_counter()
-        source = _TensorSource(manifest, named_tensors)
+        source = _TensorSource(manifest, named_tensors) if fill is None else None
         header = torch.tensor(header_for(manifest), dtype=torch.int64, device=self.group.device)
         self.group.broadcast(header, self.src, count_bytes=False)
-        slots = self._buffers(manifest)
+        slots = self._buffers(manifest, fill.slack if fill is not None else 0)
         in_flight: deque = deque()
         finished: list = []
         for i, plan in enumerate(manifest.buckets):
@@ -170,10 +188,15 @@ class WeightSender:
                 for op in in_flight.popleft():
                     op.wait(host=False)
                     finished.append(op)
-            tensors = source.take(plan)
-            packed = contiguous_bucket(plan, tensors) if self._after_pack is None else None
-            if packed is None:
-                packed = pack_bucket(plan, tensors, out=slots[i % self.num_buffers][plan.dtype])
+            if fill is not None:
+                buf = slots[i % self.num_buffers][plan.dtype]
+                fill(plan, buf)
+                packed = buf[: plan.numel]
+            else:
+                tensors = source.take(plan)
+                packed = contiguous_bucket(plan, tensors) if self._after_pack is None else None
+                if packed is None:
+                    packed = pack_bucket(plan, tensors, out=slots[i % self.num_buffers][plan.dtype])
             ops = []
             if self.verify:
                 checksum = bucket_checksum(packed)
@@ -183,7 +206,8 @@ class WeightSender:
             if self.verify:
                 ops.append(self.group.broadcast_async(checksum, self.src, count_bytes=False))
             in_flight.append(ops)
-            source.release(plan)
+            if source is not None:
+                source.release(plan)
         # Host-side completion (timeouts, errors, byte counts), oldest first.
         for op in finished + [op for ops in in_flight for op in ops]:
             op.wait()

@@ -2,10 +2,11 @@
 
 Two source modes for a trainer sharded with FSDP2 over R ranks:
 
-- ``gather``: every rank walks the parameters in bucket order and materialises
-  each full tensor (``DTensor.full_tensor()``, a collective, so all ranks walk in
-  lockstep); rank 0 packs and broadcasts them over its group. The lazy tensor
-  source keeps at most the tensors of the buckets in flight on rank 0.
+- ``gather``: every rank walks the buckets in order and gathers each bucket's
+  tensors from their shards straight into a bucket buffer (a collective, so all
+  ranks walk in lockstep, see ``ShardGatherer``); rank 0 broadcasts the buffer over
+  its group while the next bucket is being gathered. Extra memory on rank 0: its
+  bucket buffers.
 - ``shards``: no gather. Trainer rank r broadcasts its own dim-0 shards over its
   own group (rank r is that group's rank 0, every receiver is in every group);
   receivers receive from all R groups at once and concatenate the shards before
@@ -22,17 +23,16 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from disagg.errors import TransportError
-from disagg.transport.buckets import torch_dtype
+from disagg.transport.buckets import bucket_buffers, torch_dtype
 from disagg.transport.group import TransportGroup
 from disagg.transport.manifest import Manifest, TensorSpec, plan_buckets
 from disagg.transport.receiver import LoadFn, ReceiveStats, receive_weights
-from disagg.transport.sender import SendStats, WeightSender, build_manifest
+from disagg.transport.sender import BucketFill, SendStats, WeightSender, build_manifest
 
 SOURCES = ("gather", "shards")
 
@@ -83,14 +83,6 @@ def _local(p: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _bucket_order(manifest: Manifest) -> list[str]:
-    seen: dict[str, None] = {}
-    for plan in manifest.buckets:
-        for e in plan.entries:
-            seen.setdefault(e.name, None)
-    return list(seen)
-
-
 def send_model(group: TransportGroup | None, model: torch.nn.Module, full: Manifest, *, source: str,
                trainer_rank: int, num_trainer_ranks: int, num_buffers: int = 2, verify: bool = False,
                sender: WeightSender | None = None) -> SendStats | None:
@@ -101,17 +93,19 @@ def send_model(group: TransportGroup | None, model: torch.nn.Module, full: Manif
     """
     params = dict(model.named_parameters())
     if source == "gather":
-        def iterate() -> Iterator[tuple[str, torch.Tensor]]:
-            # The same order on every rank: each full_tensor() is a collective.
-            for name in _bucket_order(full):
-                yield name, _materialise(params[name])
-
+        if num_trainer_ranks == 1:  # nothing to gather: the parameters themselves (zero-copy when flat)
+            sender = sender or WeightSender(group, 0, num_buffers, verify)
+            return sender.send(full, {t.name: params[t.name].detach() for t in full.tensors})
+        gatherer = ShardGatherer(params, full)
         if trainer_rank != 0:
-            for _ in iterate():
-                pass
+            # Take part in every gather, in the same order as rank 0, into scratch buffers.
+            device = next(iter(params.values())).device
+            scratch = [bucket_buffers(full, device, gatherer.slack) for _ in range(max(num_buffers, 1))]
+            for i, plan in enumerate(full.buckets):
+                gatherer(plan, scratch[i % len(scratch)][plan.dtype])
             return None
         sender = sender or WeightSender(group, 0, num_buffers, verify)
-        return sender.send(full, iterate)
+        return sender.send(full, fill=gatherer)
     if source != "shards":
         raise ValueError(f"transport.source must be one of {SOURCES}, got {source!r}")
     mine = source_manifests(full, num_trainer_ranks)[trainer_rank]
@@ -122,6 +116,68 @@ def send_model(group: TransportGroup | None, model: torch.nn.Module, full: Manif
                                  f"{tuple(local[t.name].shape)}, expected {t.shape} (dim-0 FSDP2 sharding)")
     sender = sender or WeightSender(group, 0, num_buffers, verify)
     return sender.send(mine, local)
+
+
+class ShardGatherer(BucketFill):
+    """Fills a bucket with full tensors gathered from FSDP2 dim-0 shards, in place.
+
+    A tensor that lies whole in the bucket and is sharded on dim 0 is gathered by one
+    ``all_gather_into_tensor`` straight into its place in the bucket: no full-tensor
+    allocation and no packing copy, so a rank's extra memory is its bucket buffers.
+    The gather writes each rank's padded chunk, so up to ``slack`` elements spill past
+    the tensor; entries are filled in bucket order, so the next entry overwrites the
+    spill, and buffers carry ``slack`` spare elements at the end. A tensor split over
+    buckets, or cast to another wire dtype, is materialised with ``full_tensor()``
+    (kept while its parts are being filled) and copied. Every rank must fill every
+    bucket in the same order: each fill runs collectives over the trainer ranks.
+    """
+
+    def __init__(self, params: dict[str, torch.Tensor], manifest: Manifest):
+        self._params = params
+        self._specs = {t.name: t for t in manifest.tensors}
+        self._cached: tuple[str, torch.Tensor] | None = None
+        self.slack = 0
+        for t in manifest.tensors:
+            layout = self._direct(t.name, t)
+            if layout is not None:
+                _, per_rank, ranks = layout
+                self.slack = max(self.slack, per_rank * ranks - t.numel)
+
+    def _direct(self, name: str, spec: TensorSpec):
+        """(mesh group, elements per rank chunk, ranks) if ``name`` can be gathered in place."""
+        from torch.distributed.tensor import DTensor, Shard
+
+        p = self._params[name]
+        if not isinstance(p, DTensor) or not spec.shape or str(p.dtype).removeprefix("torch.") != spec.dtype:
+            return None
+        if p.device_mesh.ndim != 1 or p.placements != (Shard(0),):
+            return None
+        ranks = p.device_mesh.size()
+        inner = spec.numel // spec.shape[0] if spec.shape[0] else 0
+        return p.device_mesh.get_group(), math.ceil(spec.shape[0] / ranks) * inner, ranks
+
+    def __call__(self, plan, buf: torch.Tensor) -> None:
+        import torch.distributed as dist
+
+        for e in plan.entries:
+            spec = self._specs[e.name]
+            layout = self._direct(e.name, spec) if e.numel == spec.numel else None
+            if layout is not None and spec.numel:
+                group, per_rank, ranks = layout
+                local = self._params[e.name].detach().to_local().reshape(-1)
+                if local.numel() < per_rank:  # short (or empty) last chunks are padded
+                    padded = torch.zeros(per_rank, dtype=local.dtype, device=local.device)
+                    padded[: local.numel()].copy_(local)
+                    local = padded
+                dist.all_gather_into_tensor(buf[e.bucket_offset : e.bucket_offset + per_rank * ranks],
+                                            local.contiguous(), group=group)
+                continue
+            if self._cached is None or self._cached[0] != e.name:
+                self._cached = (e.name, _materialise(self._params[e.name]).reshape(-1))
+            buf[e.bucket_offset : e.bucket_offset + e.numel].copy_(
+                self._cached[1][e.tensor_offset : e.tensor_offset + e.numel])
+            if e.tensor_offset + e.numel == spec.numel:
+                self._cached = None
 
 
 class ShardAssembler:
