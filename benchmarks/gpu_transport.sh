@@ -6,6 +6,7 @@
 #   bash benchmarks/gpu_transport.sh smoke  # 2 GPUs: 1 -> 1 for tiny and qwen2-0.5b (does the CUDA path work?)
 #   bash benchmarks/gpu_transport.sh 4a     # 4 GPUs, first half: the GPU tests, then 1 -> 3 for the three shapes
 #   bash benchmarks/gpu_transport.sh 4b     # 4 GPUs, second half: 2 -> 2 gather and shards (7B), 1 -> 1 (three shapes)
+#   bash benchmarks/gpu_transport.sh 4c|4d|4e  # 4 GPUs: the re-runs after fixes (see the case arms below)
 #
 # Run from the repository root. On a GPU machine without the package installed,
 # send `.device` along (carry, built here by ../shared/tools/device-bundle): the
@@ -69,6 +70,9 @@ case "$matrix" in
     python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee -a "$log" "$out/gpu_tests.log" | tail -3
     bench qwen2-7b_2to2_shards --shape qwen2-7b --trainer-ranks 2 --receivers 2 --source shards --skip e
     bench qwen2-7b_1to3_b1024 --shape qwen2-7b --receivers 3 --skip e ;;
-  *) echo "unknown matrix $matrix (2, 4, 4a, 4b, 4c, 4d or smoke)" >&2; exit 2 ;;
+  4e)  # the in-place FSDP gather (after 2026-11-21's runs): 2 -> 2 gather, and 1 -> 3 for 1.5B with 1 GiB buckets
+    bench qwen2-7b_2to2_gather --shape qwen2-7b --trainer-ranks 2 --receivers 2 --source gather --skip e
+    bench qwen2-1.5b_1to3_b1024 --shape qwen2-1.5b --receivers 3 --skip e ;;
+  *) echo "unknown matrix $matrix (2, 4, 4a, 4b, 4c, 4d, 4e or smoke)" >&2; exit 2 ;;
 esac
 exit $failed
