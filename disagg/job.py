@@ -117,12 +117,15 @@ class Job:
         t0 = time.perf_counter()
         self.trainer.announce(self.coordinator.address, policy_version, trainer_step)
         self.coordinator.state.set_trainer_step(trainer_step)
+        names = [f"trainer rank {w}" for w in range(len(self.trainer.workers))]
+        names += [f"engine {e}" for e in range(len(self.rollout.engines))]
         refs = self.trainer.push_weights_async(policy_version) + self.rollout.receive_weights_async(policy_version)
         try:
             outs = ray_get_logged(refs, what=f"weight sync v{policy_version}", timeout_s=self.cfg.transport.timeout_s + 30,
                                   log=log)
-        except TimeoutError as e:
-            raise TransportError(f"weight sync of version {policy_version}: {e}") from e
+        except Exception as e:  # noqa: BLE001 - re-raised as one TransportError naming every failed party
+            raise TransportError(f"weight sync of version {policy_version} failed: "
+                                 f"{self._sync_failures(refs, names, e)}") from e
         seconds = time.perf_counter() - t0
         sent = outs[: len(self.trainer.workers)]
         committed = self.coordinator.state.committed_version()
@@ -130,6 +133,23 @@ class Job:
             raise TransportError(f"after sync of version {policy_version} the committed version is {committed}")
         return SyncStats(policy_version, sum(int(o["bytes"]) for o in sent), seconds,
                          max(float(o.get("send_s", 0.0)) for o in sent), sum(int(o["num_buckets"]) for o in sent))
+
+    def _sync_failures(self, refs: list, names: list[str], first: Exception) -> str:
+        """What each party of a failed sync reported (its peers fail within the transport timeout)."""
+        import ray
+
+        ray.wait(refs, num_returns=len(refs), timeout=self.cfg.transport.timeout_s + 5)
+        parts = []
+        for name, ref in zip(names, refs):
+            try:
+                ray.get(ref, timeout=0)
+            except ray.exceptions.GetTimeoutError:
+                parts.append(f"{name}: still running")
+            except ray.exceptions.RayActorError as e:
+                parts.append(f"{name}: actor died ({str(e).splitlines()[0][:200]})")
+            except Exception as e:  # noqa: BLE001 - reported, not swallowed: the caller raises
+                parts.append(f"{name}: {type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}")
+        return "; ".join(parts) or f"{type(first).__name__}: {first}"
 
     def shutdown(self) -> None:
         if self.rollout is not None:

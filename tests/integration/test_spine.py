@@ -177,3 +177,20 @@ def test_coordinator_status_lists_engine_and_committed_version(job):
     assert [e.engine_id for e in status.engines] == [0]
     assert status.engines[0].policy_version == status.committed_version
     assert {p.name for p in status.pools} == {"trainer", "rollout"}
+
+
+def test_a_dead_engine_fails_the_sync_with_an_error_naming_it(job):
+    """Last in the module: it kills the engine. The sync ends in a TransportError naming
+    the dead engine within the transport timeout instead of hanging."""
+    import time
+
+    import ray
+
+    from disagg.errors import TransportError
+
+    ray.kill(job.rollout.engines[0])
+    t0 = time.monotonic()
+    with pytest.raises(TransportError) as e:
+        job.sync_weights(4, trainer_step=3)
+    assert "engine 0: actor died" in str(e.value)
+    assert time.monotonic() - t0 < job.cfg.transport.timeout_s + 30
