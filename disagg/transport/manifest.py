@@ -12,6 +12,7 @@ plane, the planner tests and the CLI.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -89,11 +90,15 @@ class Manifest:
     buckets: tuple[BucketPlan, ...]
     total_bytes: int = field(default=0)
 
-    def layout_digest(self) -> str:
-        """Hash of names, shapes, dtypes and bucket layout (not the version)."""
+    @functools.cached_property
+    def _digest(self) -> str:
         d = self.to_dict()
         d.pop("policy_version")
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+    def layout_digest(self) -> str:
+        """Hash of names, shapes, dtypes and bucket layout (not the version); computed once."""
+        return self._digest
 
     def with_version(self, policy_version: int) -> "Manifest":
         return Manifest(policy_version, self.bucket_bytes, self.tensors, self.buckets, self.total_bytes)
