@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Awaitable, Callable, TypeVar
+from typing import Any, Awaitable, TypeVar
 
 T = TypeVar("T")
 
@@ -41,10 +41,8 @@ def setup_logging(role: str, level: str | int = "INFO") -> None:
     logging.getLogger("disagg").setLevel(level)
 
 
-async def await_logged(
-    aw: Awaitable[T], *, what: str, timeout_s: float, log: logging.Logger, interval_s: float = 10.0,
-    on_timeout: Callable[[], Exception] | None = None,
-) -> T:
+async def await_logged(aw: Awaitable[T], *, what: str, timeout_s: float, log: logging.Logger,
+                       interval_s: float = 10.0) -> T:
     """Await ``aw`` with a deadline, logging progress every ``interval_s``."""
     task = asyncio.ensure_future(aw)
     start = time.monotonic()
@@ -52,7 +50,7 @@ async def await_logged(
         left = timeout_s - (time.monotonic() - start)
         if left <= 0:
             task.cancel()
-            raise (on_timeout() if on_timeout else TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}"))
+            raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}")
         done, _ = await asyncio.wait({task}, timeout=min(interval_s, left))
         if done:
             return task.result()
