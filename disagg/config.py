@@ -70,7 +70,8 @@ class RolloutConfig:
     max_tokens: int = 8
     """Max generated tokens per sample."""
     temperature: float = 1.0
-    """Sampling temperature (the trainer scales its logits by the same value)."""
+    """Sampling temperature (the trainer scales its logits by the same value); 0 = greedy,
+    allowed only in `disagg generate`."""
     top_p: float = 1.0
     """Nucleus sampling; must stay 1.0 for unbiased GRPO behaviour log-probs."""
     gpu_memory_utilization: float = 0.15
@@ -332,7 +333,6 @@ def validate(cfg: Config, mode: str = "train") -> Config:
         _check(v >= 1, f"{key}={v}: must be >= 1")
     for key, v in [
         ("trainer.lr", t.lr),
-        ("rollout.temperature", r.temperature),
         ("transport.timeout_s", tr.timeout_s),
         ("control.rpc_timeout_s", cfg.control.rpc_timeout_s),
         ("cluster.placement_timeout_s", cfg.cluster.placement_timeout_s),
@@ -340,6 +340,10 @@ def validate(cfg: Config, mode: str = "train") -> Config:
         ("rollout.start_timeout_s", r.start_timeout_s),
     ]:
         _check(v > 0, f"{key}={v}: must be > 0")
+    if mode == "train":
+        _check(r.temperature > 0, f"rollout.temperature={r.temperature}: training samples need a temperature > 0")
+    else:
+        _check(r.temperature >= 0, f"rollout.temperature={r.temperature}: must be >= 0 (0 = greedy)")
     _check(a.group_size >= 2, f"algorithm.group_size={a.group_size}: GRPO needs >= 2 samples per prompt")
     _check(a.max_staleness >= 0, f"algorithm.max_staleness={a.max_staleness}: must be >= 0")
     _check(0 < a.clip_eps < 1, f"algorithm.clip_eps={a.clip_eps}: must be in (0, 1)")

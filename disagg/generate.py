@@ -2,8 +2,8 @@
 
 No trainer and no transport: the engines load ``model.path`` themselves
 (``rollout.load_format=auto``), answer ``algorithm.prompts_per_step`` prompts
-from the configured data with ``algorithm.group_size`` samples each, and the
-configured reward scores them. Samples go to ``<run_dir>/samples.jsonl`` and a
+from the configured data with ``algorithm.group_size`` samples each (one, greedy,
+with ``rollout.temperature=0``), and the configured reward scores them. Samples go to ``<run_dir>/samples.jsonl`` and a
 table with the reward summary is printed.
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections import Counter
 from itertools import islice
 from pathlib import Path
 
@@ -43,21 +44,27 @@ def run_generate(cfg: Config, run_dir: Path) -> dict[str, float]:
     pools = create_pools(cfg, device, with_trainer=False)
     pool = RolloutPool(cfg, pools.rollout_pg, device, str(model_path), coordinator=None)
     try:
+        greedy = cfg.rollout.temperature == 0  # one sample per prompt: greedy ones would all be equal
         spec = SamplingSpec(max_tokens=cfg.rollout.max_tokens, temperature=cfg.rollout.temperature,
-                            top_p=cfg.rollout.top_p, n=cfg.algorithm.group_size)
+                            top_p=cfg.rollout.top_p, n=1 if greedy else cfg.algorithm.group_size, greedy=greedy)
         reqs = [GenRequest(f"gen-{r.index}", encode_prompt(tok, r.prompt, cfg.data.add_bos), spec) for r in rows]
         results = pool.generate(reqs)
     finally:
         pool.shutdown()
         remove_placement_group(pools.rollout_pg)
-    batch = scorer.score(results, [r.row for r in rows])
+    counts: Counter = Counter()
+    rewards: list[float] = []
     table = Table(title=f"disagg generate: {model_path.name}")
     for col in ("prompt", "response", "reward"):
         table.add_column(col)
     with (run_dir / "samples.jsonl").open("w") as f:
-        for row, res, rewards in zip(rows, results, batch.per_result):
-            for c, reward in zip(res.completions, rewards):
+        for row, res in zip(rows, results):
+            if res.dropped:
+                counts[f"dropped_{res.dropped}"] += 1
+            for c in res.completions:
                 text = decode(c.response_ids)
+                reward = scorer.reward(text, row.row, counts)
+                rewards.append(reward)
                 f.write(json.dumps({"prompt": row.prompt, "response": text, "reward": reward,
                                     "response_ids": c.response_ids, "finish_reason": c.finish_reason}) + "\n")
                 if len(table.rows) < 24:
@@ -65,7 +72,7 @@ def run_generate(cfg: Config, run_dir: Path) -> dict[str, float]:
             if res.dropped:
                 f.write(json.dumps({"prompt": row.prompt, "dropped": res.dropped, "detail": res.detail}) + "\n")
     Console().print(table)
-    summary = {"reward_mean": sum(batch.rewards) / max(len(batch.rewards), 1), "samples": len(batch.rewards),
-               **{k: float(v) for k, v in batch.counts.items()}}
+    summary = {"reward_mean": sum(rewards) / max(len(rewards), 1), "samples": len(rewards),
+               **{k: float(v) for k, v in counts.items()}}
     print(json.dumps(summary))
     return summary

@@ -31,8 +31,6 @@ class ScoredBatch:
     rewards: list[float]
     response_lens: list[int]
     counts: Counter = field(default_factory=Counter)
-    per_result: list[list[float]] = field(default_factory=list)
-    """Rewards of each result's completions, aligned with the results (empty when dropped)."""
 
 
 class Scorer:
@@ -42,7 +40,8 @@ class Scorer:
         self.algo = algo
         self._logged: set[str] = set()
 
-    def _reward(self, text: str, row: dict[str, Any], counts: Counter) -> float:
+    def reward(self, text: str, row: dict[str, Any], counts: Counter) -> float:
+        """The reward of one response; an exception or NaN scores 0 and is counted in ``counts``."""
         try:
             r = float(self.reward_fn(text, row))
         except Exception as e:  # noqa: BLE001 - a user reward must not kill the run; scored 0 and counted
@@ -60,9 +59,8 @@ class Scorer:
 
     def score(self, results: list[GenResult], rows: list[dict[str, Any]]) -> ScoredBatch:
         counts: Counter = Counter()
-        samples, rewards, lens, per_result = [], [], [], []
+        samples, rewards, lens = [], [], []
         for res, row in zip(results, rows):
-            per_result.append([])
             if res.dropped is not None:
                 counts[f"dropped_{res.dropped}"] += 1
                 continue
@@ -71,8 +69,7 @@ class Scorer:
                 log.warning("request %s returned %d of %d samples; group dropped", res.request_id,
                             len(res.completions), self.algo.group_size)
                 continue
-            group_r = [self._reward(self.decode(c.response_ids), row, counts) for c in res.completions]
-            per_result[-1] = group_r
+            group_r = [self.reward(self.decode(c.response_ids), row, counts) for c in res.completions]
             adv = group_advantages(torch.tensor([group_r]), self.algo.adv_eps, self.algo.scale_by_std)[0].tolist()
             for c, r, a in zip(res.completions, group_r, adv):
                 rewards.append(r)
@@ -82,4 +79,4 @@ class Scorer:
                     continue
                 samples.append(TrainSample(list(res.prompt_ids), list(c.response_ids), list(c.logprobs), a, r,
                                            res.min_version))
-        return ScoredBatch(samples, rewards, lens, counts, per_result)
+        return ScoredBatch(samples, rewards, lens, counts)

@@ -72,3 +72,11 @@ def test_lists_and_tuples_are_coerced():
 def test_generate_mode_loads_real_weights_and_train_mode_refuses_them():
     assert load_config({}, mode="generate").rollout.load_format == "auto"
     assert load_config({}).rollout.load_format == "dummy"
+
+
+def test_greedy_is_for_generate_only():
+    assert load_config({"rollout": {"temperature": 0}}, mode="generate").rollout.temperature == 0
+    with pytest.raises(ConfigError, match="rollout.temperature=0"):
+        load_config({"rollout": {"temperature": 0}})
+    with pytest.raises(ConfigError, match="rollout.temperature=-1"):
+        load_config({"rollout": {"temperature": -1}}, mode="generate")
