@@ -220,7 +220,8 @@ class TrainerWorker:
             base = torch.cuda.memory_allocated(self.device)
         m = Manifest.from_dict(self.manifest(policy_version))
         stats = send_model(self.group, self.model, m, source=self.transport_cfg.source, trainer_rank=self.rank,
-                           num_trainer_ranks=self.world_size, sender=self.sender)
+                           num_trainer_ranks=self.world_size, num_buffers=self.transport_cfg.num_buffers,
+                           verify=self.transport_cfg.verify, sender=self.sender)
         out: dict[str, Any] = {"rank": self.rank, "seconds": time.perf_counter() - t0, "bytes": 0, "num_buckets": 0}
         if stats is not None:
             out.update(bytes=stats.bytes, send_s=stats.seconds, num_buckets=stats.num_buckets,
