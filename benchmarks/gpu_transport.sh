@@ -7,6 +7,7 @@
 #   bash benchmarks/gpu_transport.sh 4a     # 4 GPUs, first half: the GPU tests, then 1 -> 3 for the three shapes
 #   bash benchmarks/gpu_transport.sh 4b     # 4 GPUs, second half: 2 -> 2 gather and shards (7B), 1 -> 1 (three shapes)
 #   bash benchmarks/gpu_transport.sh 4c|4d|4e  # 4 GPUs: the re-runs after fixes (see the case arms below)
+#   bash benchmarks/gpu_transport.sh 5a|5b|5c  # 4 GPUs: the final matrix (timeline + tests + 1 -> 3; 2 -> 2 and 1 -> 1; gather)
 #
 # Run from the repository root. On a GPU machine without the package installed,
 # send `.device` along (carry, built here by ../shared/tools/device-bundle): the
@@ -73,6 +74,23 @@ case "$matrix" in
   4e)  # the in-place FSDP gather (after 2026-11-21's runs): 2 -> 2 gather, and 1 -> 3 for 1.5B with 1 GiB buckets
     bench qwen2-7b_2to2_gather --shape qwen2-7b --trainer-ranks 2 --receivers 2 --source gather --skip e
     bench qwen2-1.5b_1to3_b1024 --shape qwen2-1.5b --receivers 3 --skip e ;;
-  *) echo "unknown matrix $matrix (2, 4, 4a, 4b, 4c, 4d, 4e or smoke)" >&2; exit 2 ;;
+  5a)  # after the fixed-cost cuts (cached bucket views, header off the critical path, no split of
+       # tensors that fit a bucket): a per-rank timeline, the GPU tests, 1 -> 3 for the three shapes
+    for a in "qwen2-1.5b 3" "qwen2-7b 3"; do
+      set -- $a
+      timeout 150 python3 benchmarks/profile_sync.py --shape "$1" --receivers "$2" --bucket-mb 1024 --out /tmp/prof 2>&1 \
+        | grep -v -e USDT -e "^   kernels" | cut -c1-600 | tee -a "$log"
+    done
+    python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee -a "$log" "$out/gpu_tests.log" | tail -3
+    for shape in qwen2-0.5b qwen2-1.5b qwen2-7b; do bench "${shape}_1to3" --shape "$shape" --receivers 3; done ;;
+  5b)  # the same code: 2 -> 2 gather and shards (7B), 1 -> 1 for the three shapes
+    for source in gather shards; do
+      bench "qwen2-7b_2to2_$source" --shape qwen2-7b --trainer-ranks 2 --receivers 2 --source "$source" --skip e
+    done
+    for shape in qwen2-0.5b qwen2-1.5b qwen2-7b; do bench "${shape}_1to1" --shape "$shape" --skip e; done ;;
+  5c)  # after gathering the parts of tensors larger than a bucket in place: GPU tests, 2 -> 2 gather (7B)
+    python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee -a "$log" "$out/gpu_tests.log" | tail -3
+    bench qwen2-7b_2to2_gather --shape qwen2-7b --trainer-ranks 2 --receivers 2 --source gather --skip e ;;
+  *) echo "unknown matrix $matrix (2, 4, 4a-4e, 5a-5c or smoke)" >&2; exit 2 ;;
 esac
 exit $failed

@@ -167,6 +167,7 @@ class BenchTrainer(_Member):
         self.shape, self.source, self.timeout_s = shape, source, timeout_s
         self.group: TransportGroup | None = None
         self.sender = None
+        self.params: dict[str, torch.Tensor] | None = None
 
     def setup(self, master_addr: str | None, master_port: int | None) -> dict[str, Any]:
         """Build the model (the same seed on every rank) and shard it when there are several ranks."""
@@ -220,10 +221,11 @@ class BenchTrainer(_Member):
     def _send(self) -> None:
         from disagg.transport.sync import send_model
 
-        with torch.no_grad():
-            send_model(self.group, self.model, self.manifest, source=self.source, trainer_rank=self.rank,
-                       num_trainer_ranks=self.num_ranks, num_buffers=self.num_buffers, verify=self.verify,
-                       sender=self.sender)
+        if self.params is None:  # as the trainer does: made once, parameters updated in place
+            self.params = dict(self.model.named_parameters())
+        send_model(self.group, self.model, self.manifest, source=self.source, trainer_rank=self.rank,
+                   num_trainer_ranks=self.num_ranks, num_buffers=self.num_buffers, verify=self.verify,
+                   sender=self.sender, params=self.params)
 
     def measure(self, kind: str, iterations: int) -> dict[str, Any]:
         """Time ``kind`` (raw, per_param, send, send_load) ``iterations`` times from this rank's side.

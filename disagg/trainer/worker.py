@@ -46,6 +46,7 @@ class TrainerWorker:
         self.group = None
         self.sender = None
         self._manifest = None
+        self._params: dict[str, torch.Tensor] | None = None  # named parameters, for the weight sync
         self._coord = None
 
     # ---- setup ---------------------------------------------------------------------
@@ -211,17 +212,19 @@ class TrainerWorker:
     def push_weights(self, policy_version: int) -> dict[str, Any]:
         """Send the current parameters as ``policy_version``; every rank must call this
         (gather mode: the full-tensor gathers are collectives over the trainer ranks)."""
-        from disagg.transport.manifest import Manifest
         from disagg.transport.sync import send_model
 
         t0 = time.perf_counter()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
             base = torch.cuda.memory_allocated(self.device)
-        m = Manifest.from_dict(self.manifest(policy_version))
+        self.manifest(policy_version)  # plans the layout on the first sync
+        m = self._manifest.with_version(policy_version)
+        if self._params is None:  # parameters are updated in place from here on
+            self._params = dict(self.model.named_parameters())
         stats = send_model(self.group, self.model, m, source=self.transport_cfg.source, trainer_rank=self.rank,
                            num_trainer_ranks=self.world_size, num_buffers=self.transport_cfg.num_buffers,
-                           verify=self.transport_cfg.verify, sender=self.sender)
+                           verify=self.transport_cfg.verify, sender=self.sender, params=self._params)
         out: dict[str, Any] = {"rank": self.rank, "seconds": time.perf_counter() - t0, "bytes": 0, "num_buckets": 0}
         if stats is not None:
             out.update(bytes=stats.bytes, send_s=stats.seconds, num_buckets=stats.num_buckets,

@@ -155,6 +155,41 @@ def flatten_parameters(module: torch.nn.Module, order: list[str] | None = None) 
     return flats
 
 
+_SPEC_INDEX: dict[str, dict[str, TensorSpec]] = {}
+
+
+def _spec_index(manifest: Manifest) -> dict[str, TensorSpec]:
+    """Name -> spec of a manifest whose buckets cover every tensor exactly; checked once per layout.
+
+    Raises ``ValueError`` for a bucket naming an unknown tensor or another dtype, or a
+    tensor its buckets do not cover exactly. The result depends on the layout alone
+    (the digest), so it is kept for the next sync of the same layout.
+    """
+    digest = manifest.layout_digest()
+    index = _SPEC_INDEX.get(digest)
+    if index is not None:
+        return index
+    index = {t.name: t for t in manifest.tensors}
+    covered: dict[str, int] = {}
+    for plan in manifest.buckets:
+        for e in plan.entries:
+            spec = index.get(e.name)
+            if spec is None:
+                raise ValueError(f"bucket {plan.index} names tensor {e.name!r}, absent from the manifest")
+            if spec.dtype != plan.dtype:
+                raise ValueError(f"bucket {plan.index} is {plan.dtype} but {e.name!r} is {spec.dtype}")
+            covered[e.name] = covered.get(e.name, 0) + e.numel
+    for spec in manifest.tensors:
+        if covered.get(spec.name, 0) != spec.numel:
+            raise ValueError(
+                f"manifest buckets cover {covered.get(spec.name, 0)} of the {spec.numel} elements of {spec.name!r}"
+            )
+    if len(_SPEC_INDEX) >= 8:  # a process sees few layouts; keep the newest
+        _SPEC_INDEX.pop(next(iter(_SPEC_INDEX)))
+    _SPEC_INDEX[digest] = index
+    return index
+
+
 class Reassembler:
     """Turns received buckets back into the manifest's named tensors.
 
@@ -170,21 +205,7 @@ class Reassembler:
     def __init__(self, manifest: Manifest, device: torch.device | None = None) -> None:
         self._manifest = manifest
         self._device = device
-        self._specs: dict[str, TensorSpec] = {t.name: t for t in manifest.tensors}
-        covered: dict[str, int] = {}
-        for plan in manifest.buckets:
-            for e in plan.entries:
-                spec = self._specs.get(e.name)
-                if spec is None:
-                    raise ValueError(f"bucket {plan.index} names tensor {e.name!r}, absent from the manifest")
-                if spec.dtype != plan.dtype:
-                    raise ValueError(f"bucket {plan.index} is {plan.dtype} but {e.name!r} is {spec.dtype}")
-                covered[e.name] = covered.get(e.name, 0) + e.numel
-        for spec in manifest.tensors:
-            if covered.get(spec.name, 0) != spec.numel:
-                raise ValueError(
-                    f"manifest buckets cover {covered.get(spec.name, 0)} of the {spec.numel} elements of {spec.name!r}"
-                )
+        self._specs: dict[str, TensorSpec] = _spec_index(manifest)
         self._empty = [t for t in manifest.tensors if t.numel == 0]
         self._partial: dict[str, torch.Tensor] = {}
         self._received: dict[str, int] = {}

@@ -56,6 +56,8 @@ _NCCL_WATCHDOG_MARGIN_S = 60.0
 # ranks whose stamp went stale (a dead peer), which gloo and NCCL errors do not.
 _HEARTBEAT_S = 0.5
 _STALE_S = 3 * _HEARTBEAT_S
+# Longest nap between completion polls of an NCCL op.
+_POLL_MAX_S = 5e-5
 
 
 class _Heartbeat(threading.Thread):
@@ -168,6 +170,12 @@ class TransportGroup:
         flag = torch.zeros(1, device=self.device)
         self._run(lambda pg: pg.allreduce([flag], opts), f"barrier with ranks {list(range(self.world_size))}")
 
+    def abandon(self, reason: str) -> None:
+        """Mark the group unusable and release it now: peers' pending ops on it fail instead of hanging."""
+        if self._broken is None:
+            self._broken = reason
+        self._release_pg()
+
     def destroy(self) -> None:
         """Release the process group and, on rank 0, the store. Safe to call twice."""
         self._heartbeat.stop()
@@ -217,8 +225,9 @@ class TransportGroup:
                 except RuntimeError as e:
                     self._fail(what, _brief(e), e)
             else:
+                # Short naps: the wait's end is the sync's end (Linux adds ~50 us to each).
                 time.sleep(pause)
-                pause = min(pause * 2, 2e-4)
+                pause = min(pause * 2, _POLL_MAX_S)
 
     def _fail(self, what: str, reason: str, cause: BaseException | None) -> NoReturn:
         self._broken = f"{what} failed: {reason}"

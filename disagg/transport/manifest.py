@@ -39,8 +39,8 @@ class TensorSpec:
     shape: tuple[int, ...]
     dtype: str  # torch dtype name without the "torch." prefix, e.g. "bfloat16"
 
-    @property
-    def numel(self) -> int:
+    @functools.cached_property
+    def numel(self) -> int:  # cached: the receive loop asks for it per entry per sync
         n = 1
         for d in self.shape:
             n *= d
@@ -101,7 +101,11 @@ class Manifest:
         return self._digest
 
     def with_version(self, policy_version: int) -> "Manifest":
-        return Manifest(policy_version, self.bucket_bytes, self.tensors, self.buckets, self.total_bytes)
+        """The same layout at another version (the digest carried over, not recomputed)."""
+        m = Manifest(policy_version, self.bucket_bytes, self.tensors, self.buckets, self.total_bytes)
+        if "_digest" in self.__dict__:
+            m.__dict__["_digest"] = self.__dict__["_digest"]
+        return m
 
     def spec(self, name: str) -> TensorSpec:
         for t in self.tensors:
@@ -139,8 +143,11 @@ def plan_buckets(specs: list[TensorSpec], bucket_bytes: int, policy_version: int
     """Lay tensors out in flat single-dtype buckets of at most ``bucket_bytes``.
 
     Tensors keep their order within a dtype; dtypes are laid out in order of first
-    appearance. A tensor that does not fit in the space left is split across
-    consecutive buckets, so every bucket but the last of a dtype is full. Pure.
+    appearance. A tensor that fits in a bucket never straddles two: when it does
+    not fit in the space left, the bucket is closed and the tensor starts the next
+    one, so receivers get it as a view of the bucket (no reassembly copy). Only a
+    tensor larger than a bucket is split, into consecutive full buckets starting
+    with a fresh one (its last part may share a bucket with what follows). Pure.
     """
     if bucket_bytes <= 0:
         raise ValueError(f"transport.bucket_bytes must be > 0, got {bucket_bytes}")
@@ -169,6 +176,8 @@ def plan_buckets(specs: list[TensorSpec], bucket_bytes: int, policy_version: int
             entries, fill = [], 0
 
         for s in group:
+            if fill and s.numel > cap - fill:
+                close()  # a fresh bucket: it then fits whole, or is split into full buckets
             done = 0
             while done < s.numel:
                 take = min(s.numel - done, cap - fill)

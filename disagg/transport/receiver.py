@@ -65,15 +65,15 @@ def receive_weights(
         raise ValueError(f"transport.num_buffers must be >= 1, got {num_buffers}")
     t0 = time.perf_counter()
     header = torch.zeros(3, dtype=torch.int64, device=device)
-    group.broadcast(header, src, count_bytes=False)
-    got, want = header.tolist(), header_for(manifest)
-    if got != want:
-        fields = ("policy_version", "num_buckets", "layout crc")
-        diffs = ", ".join(f"{f} sender={g} receiver={w}" for f, g, w in zip(fields, got, want) if g != w)
-        raise TransportError(
-            f"group {group.name!r} rank {group.rank}: the sender's manifest does not match this "
-            f"receiver's ({diffs}); refusing to load"
-        )
+    header_op = group.broadcast_async(header, src, count_bytes=False)
+    # NCCL: the first buckets' receives are posted before the header is read, so the
+    # header's round trip does not delay the wire; they land in this receiver's own
+    # buffers, and nothing is loaded before the header matched. gloo cannot drop a
+    # posted receive (releasing its group waits for the op), so it checks first.
+    early = group.backend == "nccl"
+    if not early:
+        header_op.wait()
+        _check_header(group, manifest, header)
     reassembler = Reassembler(manifest, device=device)
     slots = _slots(group, manifest, device, num_buffers)
     buckets = manifest.buckets
@@ -91,6 +91,14 @@ def receive_weights(
 
     for i in range(min(num_buffers, len(buckets))):
         post(i)
+    if early:
+        header_op.wait()
+        try:
+            _check_header(group, manifest, header)
+        except TransportError as e:
+            # Receives of this receiver's sizes are posted: the group is out of step with the sender.
+            group.abandon(str(e))
+            raise
     staged: list[tuple[str, torch.Tensor]] = []
     corrupt: list[int] = []
     num_tensors = 0
@@ -130,6 +138,17 @@ def receive_weights(
               group.name, group.rank, manifest.policy_version, num_tensors, stats.num_buckets,
               stats.bytes / 2**20, stats.seconds)
     return stats
+
+
+def _check_header(group: TransportGroup, manifest: Manifest, header: torch.Tensor) -> None:
+    got, want = header.tolist(), header_for(manifest)
+    if got != want:
+        fields = ("policy_version", "num_buckets", "layout crc")
+        diffs = ", ".join(f"{f} sender={g} receiver={w}" for f, g, w in zip(fields, got, want) if g != w)
+        raise TransportError(
+            f"group {group.name!r} rank {group.rank}: the sender's manifest does not match this "
+            f"receiver's ({diffs}); refusing to load"
+        )
 
 
 def _slots(group: TransportGroup, manifest: Manifest, device: torch.device,

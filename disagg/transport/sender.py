@@ -154,6 +154,29 @@ class WeightSender:
         self._after_pack: Callable[[int, torch.Tensor], None] | None = None  # fault injection in tests
         self._slots: list[dict[str, torch.Tensor]] = []
         self._slots_key: str | None = None
+        # Bucket views of tensors that already lie in plan order (flat parameters),
+        # kept across syncs while the layout and every tensor's address stay the same.
+        self._views: list[torch.Tensor] | None = None
+        self._views_key: tuple | None = None
+
+    def _flat_views(self, manifest: Manifest, named_tensors: NamedTensors) -> list[torch.Tensor] | None:
+        """Every bucket as a view of existing memory, or None if some bucket needs packing.
+
+        The check of names and shapes (``_TensorSource``) and the view building run on
+        the first sync of a layout; later syncs only compare the tensors' addresses.
+        """
+        if not isinstance(named_tensors, Mapping) or self._after_pack is not None:
+            return None
+        try:
+            key = (manifest.layout_digest(), [named_tensors[t.name].data_ptr() for t in manifest.tensors])
+        except KeyError:
+            return None  # the full path names the missing tensor
+        if key != self._views_key:
+            source = _TensorSource(manifest, named_tensors)
+            views = [contiguous_bucket(plan, source.take(plan)) for plan in manifest.buckets]
+            self._views = None if any(v is None for v in views) else views
+            self._views_key = key
+        return self._views
 
     def _buffers(self, manifest: Manifest, slack: int = 0) -> list[dict[str, torch.Tensor]]:
         key = f"{manifest.layout_digest()}+{slack}"
@@ -176,19 +199,22 @@ class WeightSender:
         if (named_tensors is None) == (fill is None):
             raise ValueError("WeightSender.send needs exactly one of named_tensors and fill")
         t0 = time.perf_counter()
-        source = _TensorSource(manifest, named_tensors) if fill is None else None
+        views = self._flat_views(manifest, named_tensors) if fill is None else None
+        source = _TensorSource(manifest, named_tensors) if fill is None and views is None else None
         header = torch.tensor(header_for(manifest), dtype=torch.int64, device=self.group.device)
-        self.group.broadcast(header, self.src, count_bytes=False)
-        slots = self._buffers(manifest, fill.slack if fill is not None else 0)
+        # Not waited for here: the buckets queue behind it on the wire (ops complete in order).
+        finished: list = [self.group.broadcast_async(header, self.src, count_bytes=False)]
+        slots = self._buffers(manifest, fill.slack if fill is not None else 0) if views is None else []
         in_flight: deque = deque()
-        finished: list = []
         for i, plan in enumerate(manifest.buckets):
-            if len(in_flight) == self.num_buffers:
+            if views is None and len(in_flight) == self.num_buffers:
                 # This slot's previous bucket must be off the wire before it is repacked.
                 for op in in_flight.popleft():
                     op.wait(host=False)
                     finished.append(op)
-            if fill is not None:
+            if views is not None:  # straight from the parameters: no buffer to recycle
+                packed = views[i]
+            elif fill is not None:
                 buf = slots[i % self.num_buffers][plan.dtype]
                 fill(plan, buf)
                 packed = buf[: plan.numel]
@@ -213,6 +239,7 @@ class WeightSender:
             op.wait()
         if self.group.device.type == "cuda":
             torch.cuda.current_stream(self.group.device).synchronize()
+        del header  # alive until its broadcast completed
         seconds = time.perf_counter() - t0
         stats = SendStats(bytes=sum(p.nbytes for p in manifest.buckets), seconds=seconds,
                           num_buckets=len(manifest.buckets))

@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -83,24 +84,30 @@ def _local(p: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+@torch.no_grad()
 def send_model(group: TransportGroup | None, model: torch.nn.Module, full: Manifest, *, source: str,
                trainer_rank: int, num_trainer_ranks: int, num_buffers: int = 2, verify: bool = False,
-               sender: WeightSender | None = None) -> SendStats | None:
+               sender: WeightSender | None = None,
+               params: Mapping[str, torch.Tensor] | None = None) -> SendStats | None:
     """Send ``model``'s parameters as ``full.policy_version``; call on every trainer rank.
 
     ``group`` is this rank's source group (None for non-zero ranks in gather mode).
-    Returns the send statistics on ranks that sent, None on ranks that only gathered.
+    ``params`` is ``dict(model.named_parameters())`` made once by a caller that syncs
+    often (walking the module tree costs about a millisecond per sync); the
+    parameters must then be updated in place, as optimizers and ``load_state_dict``
+    do. Returns the send statistics on ranks that sent, None on ranks that only gathered.
     """
-    params = dict(model.named_parameters())
+    params = dict(model.named_parameters()) if params is None else params
     if source == "gather":
         if num_trainer_ranks == 1:  # nothing to gather: the parameters themselves (zero-copy when flat)
             sender = sender or WeightSender(group, 0, num_buffers, verify)
-            return sender.send(full, {t.name: params[t.name].detach() for t in full.tensors})
+            return sender.send(full, params)
         gatherer = ShardGatherer(params, full)
         if trainer_rank != 0:
-            # Take part in every gather, in the same order as rank 0, into scratch buffers.
+            # Take part in every gather, in the same order as rank 0, into scratch buffers
+            # (kept across syncs, as rank 0 keeps its bucket buffers).
             device = next(iter(params.values())).device
-            scratch = [bucket_buffers(full, device, gatherer.slack) for _ in range(max(num_buffers, 1))]
+            scratch = _scratch_buffers(full, device, gatherer.slack, max(num_buffers, 1))
             for i, plan in enumerate(full.buckets):
                 gatherer(plan, scratch[i % len(scratch)][plan.dtype])
             return None
@@ -118,6 +125,21 @@ def send_model(group: TransportGroup | None, model: torch.nn.Module, full: Manif
     return sender.send(mine, local)
 
 
+_SCRATCH: dict[tuple, list[dict[str, torch.Tensor]]] = {}
+
+
+def _scratch_buffers(full: Manifest, device: torch.device, slack: int, count: int) -> list[dict[str, torch.Tensor]]:
+    """Bucket buffers for a gather rank that sends nothing, reused across syncs of one layout.
+
+    One set per process (a process is one trainer rank), replaced when the layout changes.
+    """
+    key = (full.layout_digest(), str(device), slack, count)
+    if key not in _SCRATCH:
+        _SCRATCH.clear()
+        _SCRATCH[key] = [bucket_buffers(full, device, slack) for _ in range(count)]
+    return _SCRATCH[key]
+
+
 class ShardGatherer(BucketFill):
     """Fills a bucket with full tensors gathered from FSDP2 dim-0 shards, in place.
 
@@ -126,10 +148,14 @@ class ShardGatherer(BucketFill):
     allocation and no packing copy, so a rank's extra memory is its bucket buffers.
     The gather writes each rank's padded chunk, so up to ``slack`` elements spill past
     the tensor; entries are filled in bucket order, so the next entry overwrites the
-    spill, and buffers carry ``slack`` spare elements at the end. A tensor split over
-    buckets, or cast to another wire dtype, is materialised with ``full_tensor()``
-    (kept while its parts are being filled) and copied. Every rank must fill every
-    bucket in the same order: each fill runs collectives over the trainer ranks.
+    spill, and buffers carry ``slack`` spare elements at the end. A part of a tensor
+    larger than a bucket is filled in place too: dim-0 shards are contiguous element
+    ranges of the flattened tensor, so each rank whose range meets the part copies
+    its piece into the bucket and broadcasts it to the others. Only a tensor cast to
+    another wire dtype (or not sharded on dim 0) is materialised with
+    ``full_tensor()`` (kept while its parts are being filled) and copied. Every rank
+    must fill every bucket in the same order: each fill runs collectives over the
+    trainer ranks.
     """
 
     def __init__(self, params: dict[str, torch.Tensor], manifest: Manifest):
@@ -161,7 +187,10 @@ class ShardGatherer(BucketFill):
 
         for e in plan.entries:
             spec = self._specs[e.name]
-            layout = self._direct(e.name, spec) if e.numel == spec.numel else None
+            layout = self._direct(e.name, spec)
+            if layout is not None and e.numel != spec.numel:
+                self._fill_part(e, spec, layout, buf)
+                continue
             if layout is not None and spec.numel:
                 group, per_rank, ranks = layout
                 local = self._params[e.name].detach().to_local().reshape(-1)
@@ -178,6 +207,25 @@ class ShardGatherer(BucketFill):
                 self._cached[1][e.tensor_offset : e.tensor_offset + e.numel])
             if e.tensor_offset + e.numel == spec.numel:
                 self._cached = None
+
+
+    def _fill_part(self, e, spec: TensorSpec, layout, buf: torch.Tensor) -> None:
+        """Fill the element range ``e`` of a dim-0-sharded tensor: one broadcast per rank holding a piece."""
+        import torch.distributed as dist
+
+        group, per_rank, ranks = layout
+        me = dist.get_rank(group)
+        local = self._params[e.name].detach().to_local().reshape(-1)
+        lo, hi = e.tensor_offset, e.tensor_offset + e.numel
+        for r in range(ranks):
+            # Rank r holds elements [r * per_rank, min((r + 1) * per_rank, numel)) of the flat tensor.
+            a, b = max(lo, r * per_rank), min(hi, (r + 1) * per_rank, spec.numel)
+            if a >= b:
+                continue
+            piece = buf[e.bucket_offset + a - lo : e.bucket_offset + b - lo]
+            if me == r:
+                piece.copy_(local[a - r * per_rank : b - r * per_rank])
+            dist.broadcast(piece, src=dist.get_global_rank(group, r), group=group)
 
 
 class ShardAssembler:

@@ -61,6 +61,30 @@ def test_planner_invariants(case: str) -> None:
     assert sum(b.nbytes for b in m.buckets) == m.total_bytes
 
 
+@pytest.mark.parametrize("case", sorted(PLANNER_CASES))
+def test_a_tensor_that_fits_a_bucket_is_never_split(case: str) -> None:
+    specs, bucket_bytes = PLANNER_CASES[case]
+    m = plan_buckets(specs, bucket_bytes, policy_version=0)
+    parts: dict[str, list[int]] = {}
+    for b in m.buckets:
+        for e in b.entries:
+            parts.setdefault(e.name, []).append(b.index)
+    for s in specs:
+        if 0 < s.nbytes <= bucket_bytes:
+            assert len(parts[s.name]) == 1, (s, parts[s.name])
+        elif s.nbytes > bucket_bytes:
+            # Split into full buckets, the first part opening a bucket of its own.
+            first = m.buckets[parts[s.name][0]]
+            assert first.entries[0].name == s.name and first.entries[0].tensor_offset == 0
+            assert len(parts[s.name]) == -(-s.nbytes // bucket_bytes)
+
+
+def test_planner_closes_a_bucket_rather_than_split_a_tensor_that_fits() -> None:
+    specs = [TensorSpec("a", (3,), "float32"), TensorSpec("b", (3,), "float32"), TensorSpec("c", (1,), "float32")]
+    m = plan_buckets(specs, 16, policy_version=0)  # 4 floats per bucket: a | b c
+    assert [[e.name for e in b.entries] for b in m.buckets] == [["a"], ["b", "c"]]
+
+
 def _random(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
     if dtype.is_floating_point:
         return torch.randn(shape, generator=gen).to(dtype)
