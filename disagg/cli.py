@@ -17,6 +17,7 @@ commands:
   generate [key=value ...] standalone engines on real weights (model.path) + the reward: debug an engine or a reward
   ctl <subcommand> ...    talk to a running job's coordinator (disagg ctl status --address HOST:PORT)
   bench transport [flags] weight-sync benchmark against raw, per-parameter and object-store baselines
+  bench pipeline [flags]  stream vs batch, reward overlap, async vs sync (CPU, vLLM)
 """
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"

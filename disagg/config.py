@@ -54,6 +54,8 @@ class TrainerConfig:
     """CPUs in each trainer bundle."""
     torch_threads: int = 1
     """torch intra-op threads in each trainer worker on CPU."""
+    step_delay_s: float = 0.0
+    """Sleep this long after each optimizer step: simulates a slower trainer (tests, benchmarks)."""
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,12 @@ class RolloutConfig:
     vllm_log_level: str = "ERROR"
     """vLLM's own log level in the engines (its layerwise reload warns on every sync about
     weight-less layers such as rotary embeddings and a tied lm_head)."""
+    scheduler: Literal["stream", "batch"] = "stream"
+    """'stream': keep up to max_inflight_groups prompt groups generating and hand the trainer the
+    first complete groups (unfinished ones carry over); 'batch': submit a step's groups together
+    and wait for all of them (the synchronous pattern, for comparison)."""
+    max_inflight_groups: int = 64
+    """Upper bound on prompt groups generating at once (stream); admission control may allow fewer."""
 
 
 @dataclass(frozen=True)
@@ -141,7 +149,18 @@ class AlgorithmConfig:
     scale_by_std: bool = True
     """Divide group-centred rewards by the group std (GRPO) or not (Dr. GRPO)."""
     max_staleness: int = 0
-    """Max policy versions between a sample's behaviour policy and the trained one (0 = on-policy)."""
+    """Max policy versions between a sample's oldest token and the version being trained
+    (0 = synchronous on-policy). Changeable at run time: `disagg ctl set-staleness N`."""
+    off_policy: Literal["ppo", "tis", "decoupled"] = "ppo"
+    """Loss against stale samples: 'ppo' clips the ratio to the behaviour policy; 'tis' is a policy
+    gradient weighted by the truncated importance ratio min(pi/mu, is_cap); 'decoupled' clips the
+    ratio to the proximal policy (the trainer's policy before this update) and weights by
+    min(pi_prox/mu, is_cap). See docs/design.md."""
+    is_cap: float = 2.0
+    """Truncation of the importance weight for 'tis' and 'decoupled'."""
+    num_minibatches: int = 1
+    """Optimizer steps per batch (the batch split in this many mini-batches); > 1 makes the
+    proximal policy of 'decoupled' differ from the current one after the first."""
 
 
 @dataclass(frozen=True)
@@ -178,7 +197,11 @@ class ModelConfig:
 @dataclass(frozen=True)
 class DataConfig:
     train_files: tuple[str, ...] = ()
-    """JSONL/Parquet files with a prompt column; empty -> the synthetic task."""
+    """JSONL/Parquet files with a prompt column; empty -> the synthetic task ``task``."""
+    task: Literal["reverse_digits", "code"] = "reverse_digits"
+    """Synthetic task when no train_files: 'reverse_digits' (the embedded default) or 'code'
+    (write a Python function; scored by running assert tests in the sandbox with
+    reward.name=code_tests; needs a real model.path: the tiny char vocabulary cannot write code)."""
     prompt_key: str = "prompt"
     """Column holding the prompt text."""
     num_digits: int = 4
@@ -195,6 +218,13 @@ class RewardConfig:
     """Registered reward function."""
     path: str | None = None
     """'module:function' reward (overrides name)."""
+    num_workers: int = 2
+    """Reward worker actors (CPU): each group is scored as soon as it finishes generating,
+    while generation goes on; 0 = score on the driver."""
+    cpus_per_worker: float = 0.0
+    """CPUs each reward worker reserves from Ray (0: they share the machine)."""
+    latency_s: float = 0.0
+    """Extra seconds per scored sample (simulates a slow reward: benchmarks)."""
 
 
 @dataclass(frozen=True)
@@ -382,9 +412,22 @@ def validate(cfg: Config, mode: str = "train") -> Config:
         "trainer's first sync; 'auto' is for standalone `disagg generate`",
     )
     _check(
-        a.max_staleness == 0,
-        f"algorithm.max_staleness={a.max_staleness}: this build trains synchronously on-policy; only 0 is supported",
+        cfg.data.task != "code" or cfg.data.train_files or cfg.reward.path is not None
+        or cfg.reward.name != "reverse_digits",
+        "data.task=code is scored by running the answer's tests: set reward.name=code_tests "
+        "(reward.name=reverse_digits would score code as digits)",
     )
+    _check(a.is_cap > 0, f"algorithm.is_cap={a.is_cap}: must be > 0")
+    _check(a.num_minibatches >= 1, f"algorithm.num_minibatches={a.num_minibatches}: must be >= 1")
+    _check(a.prompts_per_step % a.num_minibatches == 0,
+           f"algorithm.num_minibatches={a.num_minibatches}: must divide algorithm.prompts_per_step="
+           f"{a.prompts_per_step}")
+    _check(r.max_inflight_groups >= a.prompts_per_step,
+           f"rollout.max_inflight_groups={r.max_inflight_groups}: must be >= algorithm.prompts_per_step="
+           f"{a.prompts_per_step} (a step needs that many groups)")
+    _check(cfg.reward.num_workers >= 0, f"reward.num_workers={cfg.reward.num_workers}: must be >= 0")
+    _check(cfg.reward.latency_s >= 0, f"reward.latency_s={cfg.reward.latency_s}: must be >= 0")
+    _check(cfg.trainer.step_delay_s >= 0, f"trainer.step_delay_s={cfg.trainer.step_delay_s}: must be >= 0")
     if cfg.trainer.num_workers > 1:
         per = a.prompts_per_step * a.group_size
         _check(

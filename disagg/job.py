@@ -37,6 +37,13 @@ class SyncStats:
         return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
 
+@dataclass
+class PendingSync:
+    policy_version: int
+    t0: float
+    refs: list  # trainer ranks' pushes, then every engine's receive
+
+
 class Job:
     def __init__(self, cfg: Config, run_dir: Path, model_path: Path):
         self.cfg = cfg
@@ -114,12 +121,22 @@ class Job:
 
     def sync_weights(self, policy_version: int, trainer_step: int) -> SyncStats:
         """Announce ``policy_version`` and broadcast it to every engine; returns when all acked."""
+        return self.finish_sync(self.start_sync(policy_version, trainer_step))
+
+    def start_sync(self, policy_version: int, trainer_step: int) -> "PendingSync":
+        """Announce ``policy_version`` and start its broadcast; engines keep generating until they
+        receive (each pauses its in-flight requests only while it loads). ``finish_sync`` waits."""
         t0 = time.perf_counter()
         self.trainer.announce(self.coordinator.address, policy_version, trainer_step)
         self.coordinator.state.set_trainer_step(trainer_step)
+        refs = self.trainer.push_weights_async(policy_version) + self.rollout.receive_weights_async(policy_version)
+        return PendingSync(policy_version, t0, refs)
+
+    def finish_sync(self, pending: "PendingSync") -> SyncStats:
+        """Wait for every party of a started sync; one TransportError naming each failed party."""
+        policy_version, t0, refs = pending.policy_version, pending.t0, pending.refs
         names = [f"trainer rank {w}" for w in range(len(self.trainer.workers))]
         names += [f"engine {e}" for e in range(len(self.rollout.engines))]
-        refs = self.trainer.push_weights_async(policy_version) + self.rollout.receive_weights_async(policy_version)
         try:
             outs = ray_get_logged(refs, what=f"weight sync v{policy_version}", timeout_s=self.cfg.transport.timeout_s + 30,
                                   log=log)

@@ -57,6 +57,34 @@ class Scorer:
             return 0.0
         return r
 
+    def group_samples(self, res: GenResult, rewards: list[float], counts: Counter) -> list[TrainSample]:
+        """The training samples of one scored group (advantages normalised within it).
+
+        Empty responses are dropped and counted. Each sample's ``policy_version`` is the
+        oldest version among its tokens (what staleness is measured from).
+        """
+        adv = group_advantages(torch.tensor([rewards]), self.algo.adv_eps, self.algo.scale_by_std)[0].tolist()
+        out = []
+        for c, r, a in zip(res.completions, rewards, adv):
+            if not c.response_ids:
+                counts["dropped_empty_response"] += 1
+                continue
+            version = min(c.token_versions) if c.token_versions else res.min_version
+            out.append(TrainSample(list(res.prompt_ids), list(c.response_ids), list(c.logprobs), a, r, version))
+        return out
+
+    def check_group(self, res: GenResult, counts: Counter) -> bool:
+        """Whether ``res`` is a complete group to score; counts why not."""
+        if res.dropped is not None:
+            counts[f"dropped_{res.dropped}"] += 1
+            return False
+        if len(res.completions) != self.algo.group_size:
+            counts["dropped_incomplete_group"] += 1
+            log.warning("request %s returned %d of %d samples; group dropped", res.request_id,
+                        len(res.completions), self.algo.group_size)
+            return False
+        return True
+
     def score(self, results: list[GenResult], rows: list[dict[str, Any]]) -> ScoredBatch:
         counts: Counter = Counter()
         samples, rewards, lens = [], [], []

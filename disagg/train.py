@@ -1,10 +1,10 @@
-"""The driver loop of ``disagg train``: generate -> score -> train -> sync.
+"""``disagg train``: set up the job, sync the initial weights, run the pipeline.
 
-It reads like the algorithm; every mechanism lives in a component (``Job`` for
-the cluster and transport, ``Scorer`` for rewards and advantages, the pools for
-the actors). Policy versions: the engines start on dummy weights (version 0,
-never served); the trainer's initial weights are version 1 and every optimizer
-step produces the next version, which is synced before the next rollout.
+Every mechanism lives in a component (``Job`` for the cluster and transport,
+``Pipeline`` for the overlapped generate / score / train / sync loop with bounded
+staleness, ``Scorer`` for rewards and advantages). Policy versions: the engines
+start on dummy weights (version 0, never served); the trainer's initial weights
+are version 1 and every optimizer step produces the next version.
 """
 
 from __future__ import annotations
@@ -12,14 +12,13 @@ from __future__ import annotations
 import json
 import logging
 import time
-from itertools import islice
 from pathlib import Path
 
 from disagg.config import Config
 from disagg.job import Job
 from disagg.metrics import MetricsWriter, plot_rewards, reward_summary
 from disagg.model.warmstart import prepare_model
-from disagg.rollout.types import GenRequest, SamplingSpec
+from disagg.pipeline import Pipeline
 from disagg.scoring import Scorer
 from disagg.tasks.base import PromptSource, get_reward
 
@@ -31,6 +30,10 @@ def make_source(cfg: Config) -> PromptSource:
         from disagg.tasks.files import FilePromptSource
 
         return FilePromptSource(list(cfg.data.train_files), cfg.data.prompt_key, cfg.data.seed, cfg.data.shuffle)
+    if cfg.data.task == "code":
+        from disagg.tasks.code import CodeTaskSource
+
+        return CodeTaskSource(cfg.data.seed)
     from disagg.tasks.reverse import ReverseDigitsSource
 
     return ReverseDigitsSource(cfg.data.num_digits, seed=cfg.data.seed)
@@ -44,6 +47,14 @@ def encode_prompt(tokenizer, text: str, add_bos: bool) -> tuple[int, ...]:
     return tuple(ids)
 
 
+def make_pipeline(cfg: Config, job: Job, tokenizer, **kw) -> Pipeline:
+    """The pipeline of ``cfg``'s task and reward on ``job`` (keyword arguments go to ``Pipeline``)."""
+    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    scorer = Scorer(get_reward(cfg.reward.name, cfg.reward.path), decode, cfg.algorithm)
+    return Pipeline(cfg, job, make_source(cfg), lambda text: encode_prompt(tokenizer, text, cfg.data.add_bos),
+                    decode, scorer, **kw)
+
+
 def run(cfg: Config, run_dir: Path) -> Path:
     from transformers import AutoTokenizer
 
@@ -51,56 +62,13 @@ def run(cfg: Config, run_dir: Path) -> Path:
     (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
     model_path = prepare_model(cfg)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    source = make_source(cfg)
-    scorer = Scorer(get_reward(cfg.reward.name, cfg.reward.path),
-                    lambda ids: tokenizer.decode(ids, skip_special_tokens=True), cfg.algorithm)
-    algo, roll = cfg.algorithm, cfg.rollout
-    sampling = SamplingSpec(max_tokens=roll.max_tokens, temperature=roll.temperature, top_p=roll.top_p,
-                            n=algo.group_size)
     metrics = MetricsWriter(run_dir, tensorboard=cfg.logging.tensorboard)
     job = Job.start(cfg, run_dir, model_path)
-    stream = iter(source)
     try:
-        version = 1
-        sync = job.sync_weights(version, trainer_step=0)
+        sync = job.sync_weights(1, trainer_step=0)
         log.info("initial weights (version 1) synced: %d bytes in %.3fs", sync.bytes, sync.seconds)
         with _progress(cfg) as bar:
-            for step in range(1, cfg.trainer.total_steps + 1):
-                t0 = time.perf_counter()
-                rows = list(islice(stream, algo.prompts_per_step))
-                reqs = [GenRequest(f"s{step}-p{r.index}", encode_prompt(tokenizer, r.prompt, cfg.data.add_bos), sampling)
-                        for r in rows]
-                results = job.rollout.generate(reqs)
-                t_roll = time.perf_counter() - t0
-                batch = scorer.score(results, [r.row for r in rows])
-                t1 = time.perf_counter()
-                train = job.trainer.train_step(batch.samples) if batch.samples else {}
-                t_train = time.perf_counter() - t1
-                version += 1
-                sync = job.sync_weights(version, trainer_step=step)
-                gen_tokens = sum(batch.response_lens)
-                rec = {
-                    "policy_version": version,
-                    "reward/mean": sum(batch.rewards) / max(len(batch.rewards), 1),
-                    "reward/max": max(batch.rewards, default=0.0),
-                    "response/len_mean": gen_tokens / max(len(batch.response_lens), 1),
-                    "samples/trained": len(batch.samples),
-                    "samples/dropped_prompt_too_long": 0,
-                    "samples/reward_errors": 0,
-                    **{f"samples/{k}": v for k, v in batch.counts.items()},
-                    "data/skipped_rows": source.num_skipped,
-                    "rollout/tokens_per_s": gen_tokens / t_roll if t_roll > 0 else 0.0,
-                    "timing/rollout_s": t_roll,
-                    "timing/train_s": t_train,
-                    "timing/weight_sync_s": sync.seconds,
-                    "weight_sync/bytes": sync.bytes,
-                    "weight_sync/gb_per_s": sync.gb_per_s,
-                    "weight_sync/send_s": sync.send_s,
-                    "timing/step_s": time.perf_counter() - t0,
-                    **{f"train/{k}": v for k, v in train.items()},
-                }
-                metrics.log(step, rec)
-                bar.update(step, rec)
+            make_pipeline(cfg, job, tokenizer, metrics=metrics, progress=bar).run(cfg.trainer.total_steps)
     finally:
         metrics.close()
         job.shutdown()
@@ -130,7 +98,7 @@ class _progress:
         return self
 
     def update(self, step: int, rec: dict) -> None:
-        msg = {"reward": f"{rec['reward/mean']:.3f}", "version": rec["policy_version"],
+        msg = {"reward": f"{rec['reward/mean']:.3f}", "version": rec["policy_version"], "stale": rec["policy/staleness_max"],
                "sync_ms": f"{1000 * rec['timing/weight_sync_s']:.0f}"}
         if self.bar is not None:
             self.bar.set_postfix(msg, refresh=False)

@@ -2,13 +2,16 @@
 
 ``transport``: the weight sync against a raw broadcast, one broadcast per
 parameter and Ray's object store (``disagg/bench/transport.py``).
+``pipeline``: stream vs batch scheduling on a long tail, rewards overlapped with
+generation vs after it, asynchronous vs synchronous training (``disagg/bench/pipeline.py``).
 """
 
 from __future__ import annotations
 
 import sys
 
-BENCHMARKS = {"transport": "weight sync vs raw broadcast, per-parameter broadcast and Ray's object store"}
+BENCHMARKS = {"transport": "weight sync vs raw broadcast, per-parameter broadcast and Ray's object store",
+              "pipeline": "stream vs batch on a long tail, reward overlap, async vs sync (CPU, vLLM)"}
 
 
 def main(argv: list[str]) -> int:
@@ -18,6 +21,10 @@ def main(argv: list[str]) -> int:
         print(f"usage: disagg bench <name> [flags]   (disagg bench <name> --help)\n\nbenchmarks:\n{lines}",
               file=sys.stdout if argv and argv[0] in ("-h", "--help") else sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
+    if argv[0] == "pipeline":
+        from disagg.bench.pipeline import main as pipeline_main
+
+        return pipeline_main(argv[1:])
     from disagg.bench.transport import main as transport_main
 
     return transport_main(argv[1:])

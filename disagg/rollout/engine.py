@@ -135,6 +135,10 @@ class EngineActor:
         self._report_state("SYNCING")
         eng = self._engine
         await eng.pause_generation(mode="keep", clear_cache=False)
+        # Let the request loops take the tokens the old weights produced before the pause,
+        # so they are tagged with the old version.
+        for _ in range(3):
+            await asyncio.sleep(0)
         try:
             await eng.start_weight_update()
             t1 = time.perf_counter()
@@ -154,10 +158,10 @@ class EngineActor:
             self._weights_loaded.clear()
             self._report_state("WAITING_FOR_WEIGHTS", f"sync of version {policy_version} failed: {e}"[:500])
             raise
+        self.version = policy_version  # before resuming: every token from here on is this version's
+        self._weights_loaded.set()
         await eng.resume_generation()
         stats = await self.get_transfer_stats()
-        self.version = policy_version
-        self._weights_loaded.set()
         self._report_state("READY")
         if self._coord is not None:
             self._coord.ack_version(self.engine_id, policy_version, m.layout_digest())
@@ -193,27 +197,38 @@ class EngineActor:
         s = req.sampling
         params = SamplingParams(
             n=s.n, max_tokens=s.max_tokens, temperature=0.0 if s.greedy else s.temperature,
-            top_p=1.0 if s.greedy else s.top_p, seed=s.seed, logprobs=0,
-            output_kind=RequestOutputKind.FINAL_ONLY,  # one output holding all n samples
+            top_p=1.0 if s.greedy else s.top_p, seed=s.seed, logprobs=0, ignore_eos=s.ignore_eos,
+            # Deltas, so each token is tagged with the policy version serving when it arrived:
+            # a request paused across weight updates keeps its tokens and continues on the new weights.
+            output_kind=RequestOutputKind.DELTA,
         )
-        final = None
+        comps: dict[int, Completion] = {}
         try:
             async for out in self._engine.generate(TokensPrompt(prompt_token_ids=list(req.prompt_ids)), params,
                                                    request_id=req.request_id):
-                final = out
+                for o in out.outputs:
+                    c = comps.setdefault(o.index, Completion([], [], "", []))
+                    ids = list(o.token_ids)
+                    c.response_ids.extend(ids)
+                    if o.logprobs:
+                        c.logprobs.extend(o.logprobs[i][t].logprob for i, t in enumerate(ids))
+                    c.token_versions.extend([self.version] * len(ids))
+                    if o.finish_reason is not None:
+                        c.finish_reason = str(o.finish_reason)
         except ValueError as e:  # vLLM's own input validation
             self.stats["dropped_invalid_prompt"] = self.stats.get("dropped_invalid_prompt", 0) + 1
             log.warning("dropping request %s: %s", req.request_id, e)
             return GenResult(req.request_id, self.engine_id, list(req.prompt_ids), dropped="invalid_prompt", detail=str(e))
-        if final is None:
-            raise EngineDeadError(f"engine {self.engine_id} returned no output for {req.request_id}")
-        comps = []
-        for o in final.outputs:
-            ids = list(o.token_ids)
-            lps = [o.logprobs[i][t].logprob for i, t in enumerate(ids)] if o.logprobs else []
-            comps.append(Completion(ids, lps, str(o.finish_reason)))
-            self.stats["tokens_generated"] += len(ids)
-        return GenResult(req.request_id, self.engine_id, list(req.prompt_ids), comps, min_version, self.version)
+        if len(comps) != s.n:
+            raise EngineDeadError(f"engine {self.engine_id} returned {len(comps)} of {s.n} samples for {req.request_id}")
+        ordered = [comps[i] for i in sorted(comps)]
+        for c in ordered:
+            if len(c.logprobs) != len(c.response_ids):
+                raise RolloutError(f"request {req.request_id}: {len(c.response_ids)} tokens but "
+                                   f"{len(c.logprobs)} log-probs from the engine")
+            self.stats["tokens_generated"] += len(c.response_ids)
+        max_version = max((v for c in ordered for v in c.token_versions), default=min_version)
+        return GenResult(req.request_id, self.engine_id, list(req.prompt_ids), ordered, min_version, max_version)
 
     async def get_transfer_stats(self) -> dict[str, Any]:
         """What the receiver in the model's process counted for the last sync."""

@@ -20,6 +20,7 @@ class SamplingSpec:
     n: int = 1
     seed: int | None = None
     greedy: bool = False
+    ignore_eos: bool = False  # generate exactly max_tokens (benchmarks control lengths this way)
 
 
 @dataclass(frozen=True)
@@ -33,11 +34,18 @@ class GenRequest:
 
 @dataclass
 class Completion:
-    """One generated sample. ``logprobs[i]`` is the behaviour log-prob of ``response_ids[i]``."""
+    """One generated sample. ``logprobs[i]`` is the behaviour log-prob of ``response_ids[i]``,
+    ``token_versions[i]`` the policy version that generated it (a request paused across weight
+    updates continues on the new weights, so versions rise along the response)."""
 
     response_ids: list[int]
     logprobs: list[float]
     finish_reason: str
+    token_versions: list[int] = field(default_factory=list)
+
+    @property
+    def min_version(self) -> int:
+        return min(self.token_versions, default=0)
 
 
 @dataclass

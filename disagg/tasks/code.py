@@ -95,3 +95,24 @@ def make_code_rows(n: int, seed: int) -> list[dict[str, Any]]:
         prompt, asserts = rng.choice(_TEMPLATES)(rng)
         rows.append({"prompt": prompt, "tests": "\n".join(asserts) + "\n"})
     return rows
+
+
+class CodeTaskSource:
+    """An endless, seeded stream of code-task prompts (``data.task=code``), each with its tests."""
+
+    def __init__(self, seed: int, start: int = 0) -> None:
+        self.seed, self.cursor = seed, start
+
+    @property
+    def num_skipped(self) -> int:
+        return 0
+
+    def __iter__(self):
+        from disagg.tasks.base import PromptRow
+
+        while True:
+            rng = random.Random(self.seed * 1_000_003 + self.cursor)
+            prompt, asserts = rng.choice(_TEMPLATES)(rng)
+            row = {"prompt": prompt, "tests": "\n".join(asserts) + "\n"}
+            yield PromptRow(self.cursor, prompt, row)
+            self.cursor += 1

@@ -58,11 +58,19 @@ class TrainerGroup:
             w.free_port.remote(), f"trainer rank {rank} port")
 
     def train_step(self, samples: list[TrainSample]) -> dict[str, float]:
-        """One optimizer step over ``samples``, split evenly across workers."""
-        n = len(self.workers)
+        """One step over ``samples`` (one optimizer step per mini-batch), split evenly across workers."""
+        return self.summarise(self._get(self.train_step_async(samples), "train step"))
+
+    def train_step_async(self, samples: list[TrainSample]) -> list:
+        """Start a train step on every worker (returns the refs; ``summarise`` their results)."""
+        n, m = len(self.workers), self.cfg.algorithm.num_minibatches
         shards = [samples[i::n] for i in range(n)]
-        tokens = sum(len(s.response_ids) for s in samples)
-        outs = self._get([w.train_step.remote(sh, tokens) for w, sh in zip(self.workers, shards)], "train step")
+        tokens = [sum(len(s.response_ids) for sh in shards for s in sh[j::m]) for j in range(m)]
+        return [w.train_step.remote(sh, tokens) for w, sh in zip(self.workers, shards)]
+
+    @staticmethod
+    def summarise(outs: list[dict]) -> dict[str, float]:
+        """One train-step record from every worker's result."""
         num_tokens = max(sum(o["num_tokens"] for o in outs), 1.0)
         return {
             "loss": sum(o["loss"] for o in outs),

@@ -47,21 +47,47 @@ def ppo_clip_loss(
     normaliser: float,
     ref_logp: torch.Tensor | None = None,
     kl_coef: float = 0.0,
+    mode: str = "ppo",
+    proximal_logp: torch.Tensor | None = None,
+    is_cap: float = 2.0,
 ) -> LossOutput:
-    """Token-level PPO-clip loss, summed over masked tokens and divided by ``normaliser``.
+    """Token-level policy loss, summed over masked tokens and divided by ``normaliser``.
 
     ``logp``, ``behaviour_logp``, ``mask``: [B, T]; ``advantages``: [B] (one per
     sample, broadcast over its tokens). Pass the global number of response tokens
     in the batch as ``normaliser`` so micro-batches and ranks add up to a token
-    mean over the whole batch.
+    mean over the whole batch. ``mode``:
+
+    - ``ppo``: PPO-clip of the ratio pi/mu to the behaviour policy mu.
+    - ``tis``: truncated importance sampling, -min(pi/mu, is_cap) * A * log pi with the
+      weight held constant: an unbiased-up-to-truncation policy gradient for stale samples.
+    - ``decoupled``: decoupled PPO; the ratio pi/pi_prox to ``proximal_logp`` (the policy
+      before this update) is clipped, and the whole term is weighted by min(pi_prox/mu, is_cap).
+
+    ``clip_frac`` counts clipped ratios (ppo, decoupled) or truncated weights (tis).
     """
     mask = mask.to(logp.dtype)
     log_ratio = logp - behaviour_logp
     ratio = torch.exp(log_ratio)
     adv = advantages[:, None].to(logp.dtype)
-    unclipped = ratio * adv
-    clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * adv
-    per_token = -torch.minimum(unclipped, clipped)
+    if mode == "ppo":
+        unclipped = ratio * adv
+        clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * adv
+        per_token = -torch.minimum(unclipped, clipped)
+        clipped_tokens = (ratio - 1.0).abs() > clip_eps
+    elif mode == "tis":
+        weight = torch.clamp(ratio.detach(), max=is_cap)
+        per_token = -weight * adv * logp
+        clipped_tokens = ratio.detach() > is_cap
+    elif mode == "decoupled":
+        if proximal_logp is None:
+            raise ValueError("decoupled PPO needs proximal_logp (the policy before this update)")
+        weight = torch.clamp(torch.exp(proximal_logp - behaviour_logp), max=is_cap)
+        r = torch.exp(logp - proximal_logp)
+        per_token = -weight * torch.minimum(r * adv, torch.clamp(r, 1.0 - clip_eps, 1.0 + clip_eps) * adv)
+        clipped_tokens = (r.detach() - 1.0).abs() > clip_eps
+    else:
+        raise ValueError(f"algorithm.off_policy must be ppo, tis or decoupled, got {mode!r}")
     kl_ref_sum = torch.zeros((), dtype=logp.dtype, device=logp.device)
     if ref_logp is not None and kl_coef > 0:
         d = ref_logp - logp
@@ -70,7 +96,7 @@ def ppo_clip_loss(
         kl_ref_sum = (k3 * mask).sum().detach()
     loss = (per_token * mask).sum() / normaliser
     with torch.no_grad():
-        clip_frac = (((ratio - 1.0).abs() > clip_eps).to(logp.dtype) * mask).sum()
+        clip_frac = (clipped_tokens.to(logp.dtype) * mask).sum()
         return_kwargs = dict(
             clip_frac=clip_frac,
             ratio_sum=(ratio * mask).sum(),

@@ -47,6 +47,7 @@ class TrainerWorker:
         self.sender = None
         self._manifest = None
         self._params: dict[str, torch.Tensor] | None = None  # named parameters, for the weight sync
+        self._step_delay_s = cfg.step_delay_s
         self._coord = None
 
     # ---- setup ---------------------------------------------------------------------
@@ -118,41 +119,27 @@ class TrainerWorker:
             mask[i, :r] = 1
         return out, mask
 
-    def train_step(self, samples: list[TrainSample], global_tokens: int) -> dict[str, float]:
-        """One optimizer step on this rank's share; ``global_tokens`` = response tokens in the whole batch."""
+    def train_step(self, samples: list[TrainSample], minibatch_tokens: list[int]) -> dict[str, float]:
+        """Optimizer steps on this rank's share: one per mini-batch (``samples[j::M]``, M =
+        ``len(minibatch_tokens)``); ``minibatch_tokens[j]`` = response tokens of mini-batch j over
+        all ranks, so every step's loss is a token mean over the whole mini-batch."""
         t0 = time.perf_counter()
         self.model.train()
-        mb = self.cfg.micro_batch_size
+        mode = self.algo.off_policy
+        num_mb = len(minibatch_tokens)
+        # Decoupled PPO's proximal policy is the policy before this update: one no-grad pass.
+        prox = self._proximal_logprobs(samples) if mode == "decoupled" else None
         totals = {"clip": 0.0, "ratio": 0.0, "kl_b": 0.0, "kl_ref": 0.0, "tokens": 0.0, "loss": 0.0}
-        # FSDP averages gradients over ranks; scale so the sum over ranks is a global token mean.
-        normaliser = max(global_tokens, 1) / self.world_size
-        for start in range(0, len(samples), mb):
-            chunk = samples[start : start + mb]
-            lp, mask = self._batch_logprobs(self.model, chunk)
-            old = torch.zeros_like(lp)
-            for i, s in enumerate(chunk):
-                old[i, : len(s.behaviour_logprobs)] = torch.tensor(s.behaviour_logprobs)
-            adv = torch.tensor([s.advantage for s in chunk], device=self.device)
-            ref = None
-            if self.ref_model is not None:
-                with torch.no_grad():
-                    ref, _ = self._batch_logprobs(self.ref_model, chunk)
-            out = ppo_clip_loss(lp, old, adv, mask, self.algo.clip_eps, normaliser, ref, self.algo.kl_coef)
-            out.loss.backward()
-            totals["loss"] += out.loss.item() / self.world_size
-            totals["clip"] += out.clip_frac.item()
-            totals["ratio"] += out.ratio_sum.item()
-            totals["kl_b"] += out.kl_behaviour_sum.item()
-            totals["kl_ref"] += out.kl_ref_sum.item()
-            totals["tokens"] += out.num_tokens.item()
-        if self.cfg.grad_clip > 0:
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
-        else:
-            grad_norm = torch.sqrt(sum((p.grad.detach() ** 2).sum() for p in self.model.parameters() if p.grad is not None))
-        if hasattr(grad_norm, "full_tensor"):
-            grad_norm = grad_norm.full_tensor()
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
+        norms = []
+        for j in range(num_mb):
+            idx = list(range(j, len(samples), num_mb))
+            # FSDP averages gradients over ranks; scale so the sum over ranks is a global token mean.
+            normaliser = max(minibatch_tokens[j], 1) / self.world_size
+            self._accumulate([samples[i] for i in idx], None if prox is None else [prox[i] for i in idx],
+                             normaliser, mode, totals)
+            norms.append(self._optimizer_step())
+        if self._step_delay_s > 0:
+            time.sleep(self._step_delay_s)
         tok = max(totals["tokens"], 1.0)
         return {
             "loss": totals["loss"],
@@ -161,10 +148,70 @@ class TrainerWorker:
             "kl_behaviour_sum": totals["kl_b"],
             "kl_ref_sum": totals["kl_ref"],
             "num_tokens": totals["tokens"],
-            "grad_norm": float(grad_norm),
+            "grad_norm": float(sum(norms) / len(norms)),
             "ratio_mean_local": totals["ratio"] / tok,
             "seconds": time.perf_counter() - t0,
         }
+
+    @torch.no_grad()
+    def _proximal_logprobs(self, samples: list[TrainSample]) -> list[torch.Tensor]:
+        out = []
+        mb = self.cfg.micro_batch_size
+        for start in range(0, len(samples), mb):
+            chunk = samples[start : start + mb]
+            lp, _ = self._batch_logprobs(self.model, chunk)
+            out.extend(lp[i, : len(s.response_ids)].clone() for i, s in enumerate(chunk))
+        return out
+
+    def _accumulate(self, samples: list[TrainSample], prox: list[torch.Tensor] | None, normaliser: float,
+                    mode: str, totals: dict[str, float]) -> None:
+        mb = self.cfg.micro_batch_size
+        for start in range(0, len(samples), mb):
+            chunk = samples[start : start + mb]
+            lp, mask = self._batch_logprobs(self.model, chunk)
+            old = torch.zeros_like(lp)
+            for i, s in enumerate(chunk):
+                old[i, : len(s.behaviour_logprobs)] = torch.tensor(s.behaviour_logprobs)
+            proximal = None
+            if prox is not None:
+                proximal = torch.zeros_like(lp)
+                for i, p in enumerate(prox[start : start + mb]):
+                    proximal[i, : p.numel()] = p
+            adv = torch.tensor([s.advantage for s in chunk], device=self.device)
+            ref = None
+            if self.ref_model is not None:
+                with torch.no_grad():
+                    ref, _ = self._batch_logprobs(self.ref_model, chunk)
+            out = ppo_clip_loss(lp, old, adv, mask, self.algo.clip_eps, normaliser, ref, self.algo.kl_coef,
+                                mode=mode, proximal_logp=proximal, is_cap=self.algo.is_cap)
+            out.loss.backward()
+            totals["loss"] += out.loss.item() / self.world_size
+            totals["clip"] += out.clip_frac.item()
+            totals["ratio"] += out.ratio_sum.item()
+            totals["kl_b"] += out.kl_behaviour_sum.item()
+            totals["kl_ref"] += out.kl_ref_sum.item()
+            totals["tokens"] += out.num_tokens.item()
+
+    def _optimizer_step(self) -> float:
+        if self.cfg.grad_clip > 0:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        else:
+            grad_norm = torch.sqrt(sum((p.grad.detach() ** 2).sum() for p in self.model.parameters() if p.grad is not None))
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return float(grad_norm)
+
+    def set_step_delay(self, seconds: float) -> None:
+        """Sleep ``seconds`` after each step from now on (trainer.step_delay_s; tests, benchmarks)."""
+        self._step_delay_s = float(seconds)
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter as a full CPU tensor (inspection in tests and debugging; a collective
+        under FSDP; never the weight-sync path, which moves bytes over the transport group)."""
+        return {n: t.cpu().clone() for n, t in self._full_params().items()}
 
     # ---- weights -------------------------------------------------------------------
     def _full_params(self) -> dict[str, torch.Tensor]:

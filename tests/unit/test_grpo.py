@@ -89,3 +89,47 @@ def test_token_logprobs_apply_temperature():
     t = torch.tensor([[0]])
     hot = token_logprobs(logits, t, 2.0)
     assert hot.item() == pytest.approx(torch.log_softmax(torch.tensor([1.0, 0.0]), 0)[0].item())
+
+
+def test_tis_gradient_is_the_truncated_importance_weighted_policy_gradient() -> None:
+    torch.manual_seed(0)
+    behaviour = torch.log(torch.rand(2, 4) * 0.5 + 0.1)
+    logp = (behaviour + torch.tensor([[-1.0, 0.0, 0.5, 2.0], [0.1, -0.3, 1.5, 0.0]])).requires_grad_(True)
+    mask = torch.tensor([[1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 0.0]])
+    adv = torch.tensor([1.5, -0.5])
+    cap = 2.0
+    out = ppo_clip_loss(logp, behaviour, adv, mask, 0.2, normaliser=7.0, mode="tis", is_cap=cap)
+    out.loss.backward()
+    weight = torch.clamp(torch.exp(logp.detach() - behaviour), max=cap)
+    expected = -weight * adv[:, None] * mask / 7.0
+    assert torch.allclose(logp.grad, expected, atol=1e-6)
+    # Truncated weights are counted: exp(2.0) and exp(1.5) exceed the cap of 2.
+    assert out.clip_frac.item() == 2.0
+
+
+def test_decoupled_ppo_weights_by_proximal_over_behaviour_and_clips_to_the_proximal_policy() -> None:
+    behaviour = torch.log(torch.tensor([[0.2, 0.4, 0.3]]))
+    prox = torch.log(torch.tensor([[0.3, 0.2, 0.3]]))  # the policy before this update
+    mask = torch.ones(1, 3)
+    adv = torch.tensor([1.0])
+    # First mini-batch: current == proximal, so r = 1 and the gradient is -w * A per token.
+    logp = prox.clone().requires_grad_(True)
+    ppo_clip_loss(logp, behaviour, adv, mask, 0.2, 3.0, mode="decoupled", proximal_logp=prox, is_cap=1.2).loss.backward()
+    w = torch.clamp(torch.exp(prox - behaviour), max=1.2)  # 1.5 -> 1.2 (truncated), 0.5, 1.0
+    assert torch.allclose(logp.grad, -w * adv / 3.0, atol=1e-6)
+    # Later mini-batch: a token whose ratio to the proximal policy left the clip range
+    # with a positive advantage gets no gradient; the others keep theirs.
+    logp2 = (prox + torch.tensor([[0.5, 0.0, -0.5]])).requires_grad_(True)
+    out = ppo_clip_loss(logp2, behaviour, adv, mask, 0.2, 3.0, mode="decoupled", proximal_logp=prox, is_cap=1.2)
+    out.loss.backward()
+    assert logp2.grad[0, 0].item() == 0.0
+    assert logp2.grad[0, 1].item() < 0 and logp2.grad[0, 2].item() < 0
+    assert out.clip_frac.item() == 2.0  # r = e^0.5 and e^-0.5 are both outside [0.8, 1.2]
+
+
+def test_decoupled_needs_the_proximal_policy_and_unknown_modes_fail() -> None:
+    x = torch.zeros(1, 2)
+    with pytest.raises(ValueError, match="proximal"):
+        ppo_clip_loss(x, x, torch.zeros(1), torch.ones(1, 2), 0.2, 1.0, mode="decoupled")
+    with pytest.raises(ValueError, match="off_policy"):
+        ppo_clip_loss(x, x, torch.zeros(1), torch.ones(1, 2), 0.2, 1.0, mode="vtrace")

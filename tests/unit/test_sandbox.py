@@ -228,3 +228,26 @@ def test_code_rows_are_seeded_and_solvable():
     for sig, row in by_template.items():
         assert code_tests_reward(f"```python\n{REFERENCE[sig]}```", row) == 1.0, (sig, row)
         assert code_tests_reward("```python\ndef unrelated():\n    pass\n```", row) == 0.0
+
+
+def test_code_task_source_streams_seeded_solvable_rows_and_needs_the_code_reward(tmp_path):
+    from itertools import islice
+
+    from disagg.config import ConfigError, load_config
+    from disagg.tasks.code import CodeTaskSource, code_tests_reward
+
+    rows = list(islice(CodeTaskSource(seed=3), 12))
+    assert [r.prompt for r in rows] == [r.prompt for r in islice(CodeTaskSource(seed=3), 12)]
+    assert len({r.prompt for r in rows}) > 1 and [r.index for r in rows] == list(range(12))
+    solutions = {"add(": "def add(a, b):\n    return a + b\n",
+                 "max_of_list": "def max_of_list(xs):\n    return max(xs)\n",
+                 "reverse_string": "def reverse_string(s):\n    return s[::-1]\n",
+                 "is_even": "def is_even(n):\n    return n % 2 == 0\n",
+                 "factorial": "import math\ndef factorial(n):\n    return math.factorial(n)\n"}
+    for r in rows[:5]:
+        code = next(v for k, v in solutions.items() if k in r.prompt)
+        assert code_tests_reward(f"```python\n{code}```", r.row) == 1.0
+        assert code_tests_reward("```python\ndef nothing(): pass\n```", r.row) == 0.0
+    with pytest.raises(ConfigError, match="reward.name=code_tests"):
+        load_config({"data": {"task": "code"}})
+    assert load_config({"data": {"task": "code"}, "reward": {"name": "code_tests"}}).data.task == "code"

@@ -1,0 +1,283 @@
+"""``disagg bench pipeline``: what the asynchronous pipeline buys, measured side by side in one run.
+
+Three comparisons on the embedded tiny model with real Ray, vLLM engines and
+trainer (CPU is fine):
+
+  long tail      response lengths drawn from a heavy-tailed distribution (most
+                 short, a few near the cap; ``ignore_eos`` makes each length
+                 exact): trained tokens per second of ``rollout.scheduler=stream``
+                 vs ``batch``, both at the same staleness limit.
+  reward overlap a reward with a set latency per sample, chosen so that scoring a
+                 batch takes about as long as generating it: the time from a step's
+                 start to its batch being ready, rewards scored by workers while
+                 generation goes on vs. after the whole batch was generated,
+                 each divided by the longer of the two stages measured alone.
+  async vs sync  samples per second of ``max_staleness=1`` vs ``0`` on the default
+                 task from the same initial weights, and the step (and seconds) at
+                 which each run's reward first reaches the threshold.
+
+Nothing here is a timed test: it prints the ratios and, with ``--json``, writes
+them with the raw figures behind them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from disagg.logs import setup_logging
+
+log = logging.getLogger("disagg.bench")
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineBenchOptions:
+    tail_steps: int = 16  # train steps per scheduler in the long-tail comparison
+    tail_short: int = 4  # most responses: this many tokens
+    tail_long: int = 96  # the tail: this many tokens
+    tail_fraction: float = 0.1  # share of prompts whose responses are long
+    tail_staleness: int = 2  # the staleness limit both schedulers run with
+    overlap_steps: int = 8  # steps per variant in the reward-overlap comparison
+    async_steps: int = 120  # steps per run in the async-vs-sync comparison
+    threshold: float = 0.75  # reward (10-step moving mean) both runs must reach
+    cpus: int | None = None  # Ray CPUs (default: the machine's)
+    run_dir: str = "runs/bench-pipeline"
+    log_level: str = "WARNING"
+
+
+def _base_config(o: PipelineBenchOptions, **overrides: dict):
+    from disagg.config import load_config
+
+    data: dict[str, Any] = {"logging": {"progress": False, "tensorboard": False, "plot": False},
+                            "cluster": {"num_cpus": o.cpus}}
+    for k, v in overrides.items():
+        data.setdefault(k, {}).update(v)
+    return load_config(data)
+
+
+def _replace(cfg, section: str, **kw):
+    return dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **kw)})
+
+
+def _start(cfg, run_dir: Path):
+    from transformers import AutoTokenizer
+
+    from disagg.job import Job
+    from disagg.model.warmstart import prepare_model
+
+    model_path = prepare_model(cfg)
+    job = Job.start(cfg, run_dir, model_path)
+    job.sync_weights(1, trainer_step=0)
+    return job, AutoTokenizer.from_pretrained(model_path)
+
+
+def _run(cfg, job, tok, steps: int, first: int, **kw) -> tuple[Any, float]:
+    from disagg.train import make_pipeline
+
+    pipeline = make_pipeline(cfg, job, tok, **kw)
+    t0 = time.perf_counter()
+    pipeline.run(steps, first_step=first)
+    return pipeline, time.perf_counter() - t0
+
+
+def long_tail(o: PipelineBenchOptions, run_dir: Path) -> dict[str, Any]:
+    """Trained tokens per second, stream vs batch, on heavy-tailed response lengths."""
+    cfg = _base_config(o, rollout={"max_model_len": o.tail_long + 16, "max_inflight_groups": 64},
+                       algorithm={"max_staleness": o.tail_staleness, "prompts_per_step": 8, "group_size": 4},
+                       reward={"num_workers": 1})
+    job, tok = _start(cfg, run_dir / "tail")
+    version, out = 1, {}
+    try:
+        for mode in ("batch", "stream"):
+            rng = random.Random(0)  # the same length sequence for both schedulers
+
+            def lengths(row: dict, rng=rng):
+                from disagg.rollout.types import SamplingSpec
+
+                n = o.tail_long if rng.random() < o.tail_fraction else o.tail_short
+                return SamplingSpec(max_tokens=n, temperature=1.0, n=cfg.algorithm.group_size, ignore_eos=True)
+
+            mcfg = _replace(cfg, "rollout", scheduler=mode)
+            p, wall = _run(mcfg, job, tok, o.tail_steps, version, sampling_for=lengths)
+            version += o.tail_steps
+            out[mode] = {"trained_tokens": p.trained_tokens, "seconds": wall,
+                         "trained_tokens_per_s": p.trained_tokens / wall,
+                         "dropped_stale": p.records[-1]["samples/dropped_stale"],
+                         "staleness_max": max(r["policy/staleness_max"] for r in p.records)}
+            log.warning("long tail, %s: %.0f trained tokens/s", mode, out[mode]["trained_tokens_per_s"])
+    finally:
+        job.shutdown()
+    out["stream_vs_batch"] = out["stream"]["trained_tokens_per_s"] / out["batch"]["trained_tokens_per_s"]
+    return out
+
+
+def _stage(p) -> float:
+    """Median time from a step's start (previous sync done) to its batch being ready."""
+    return statistics.median(r["timing/rollout_s"] for r in p.records[1:] or p.records)
+
+
+def reward_overlap(o: PipelineBenchOptions, run_dir: Path) -> dict[str, Any]:
+    """Batch-ready time with rewards overlapped with generation vs scored after it."""
+    import ray
+
+    from disagg.pipeline import RewardWorker
+
+    workers = 2
+    cfg = _base_config(o, algorithm={"max_staleness": 0, "prompts_per_step": 16, "group_size": 8},
+                       rollout={"scheduler": "batch"}, reward={"num_workers": workers})
+    job, tok = _start(cfg, run_dir / "overlap")
+    version, out = 1, {}
+    try:
+        p, _ = _run(cfg, job, tok, o.overlap_steps, version)
+        version += o.overlap_steps
+        rollout_s = _stage(p)  # generation alone (rewards are instant)
+        samples = cfg.algorithm.prompts_per_step * cfg.algorithm.group_size
+        latency = rollout_s * workers / samples  # scoring a batch then takes about as long
+        # The reward stage alone: one batch through the same pool, nothing generating.
+        pool = [ray.remote(RewardWorker).options(num_cpus=0).remote("reverse_digits", None, latency, "WARNING")
+                for _ in range(workers)]
+        texts = ["1234"] * cfg.algorithm.group_size
+        row = {"answer": "4321", "prompt": "1234="}
+        t0 = time.perf_counter()
+        ray.get([pool[g % workers].score.remote(texts, row) for g in range(cfg.algorithm.prompts_per_step)],
+                timeout=600)
+        reward_s = time.perf_counter() - t0
+        for w in pool:
+            ray.kill(w)
+        lcfg = _replace(cfg, "reward", latency_s=latency)
+        for name, overlap in (("serial", False), ("overlapped", True)):
+            p, _ = _run(lcfg, job, tok, o.overlap_steps, version, overlap_rewards=overlap)
+            version += o.overlap_steps
+            out[f"{name}_stage_s"] = _stage(p)
+    finally:
+        job.shutdown()
+    longest = max(rollout_s, reward_s)
+    out.update(rollout_stage_s=rollout_s, reward_stage_s=reward_s, reward_latency_per_sample_s=latency,
+               overlap_step_vs_max_stage=out["overlapped_stage_s"] / longest,
+               serial_step_vs_max_stage=out["serial_stage_s"] / longest)
+    return out
+
+
+def _first_reaching(records: list[dict], threshold: float, window: int = 10) -> tuple[int | None, float | None]:
+    """(step, seconds since the run's start) where the moving mean reward first reaches ``threshold``."""
+    elapsed = 0.0
+    for i, r in enumerate(records):
+        elapsed += r["timing/step_s"]
+        part = records[max(0, i - window + 1) : i + 1]
+        if len(part) == window and sum(x["reward/mean"] for x in part) / window >= threshold:
+            return i + 1, elapsed
+    return None, None
+
+
+def async_vs_sync(o: PipelineBenchOptions, run_dir: Path) -> dict[str, Any]:
+    """Samples per second and steps to the reward threshold, max_staleness 1 vs 0, same start."""
+    out: dict[str, Any] = {}
+    for name, limit in (("sync", 0), ("async", 1)):
+        cfg = _base_config(o, algorithm={"max_staleness": limit})
+        job, tok = _start(cfg, run_dir / name)
+        try:
+            p, wall = _run(cfg, job, tok, o.async_steps, 1)
+        finally:
+            job.shutdown()
+        step, seconds = _first_reaching(p.records, o.threshold)
+        out[name] = {"samples_per_s": p.trained_samples / wall, "seconds": wall, "steps": o.async_steps,
+                     "threshold_step": step, "threshold_seconds": seconds,
+                     "reward_last_10": statistics.mean(r["reward/mean"] for r in p.records[-10:]),
+                     "staleness_max": max(r["policy/staleness_max"] for r in p.records)}
+        log.warning("%s: %.0f samples/s, threshold %.2f at step %s", name, out[name]["samples_per_s"], o.threshold,
+                    step)
+    out["async_vs_sync"] = out["async"]["samples_per_s"] / out["sync"]["samples_per_s"]
+    out["threshold"] = o.threshold
+    out["both_reach_threshold"] = out["sync"]["threshold_step"] is not None and out["async"]["threshold_step"] is not None
+    return out
+
+
+def run(o: PipelineBenchOptions, only: set[str]) -> dict[str, Any]:
+    import os
+
+    import ray
+
+    run_dir = Path(o.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    report: dict[str, Any] = {"options": dataclasses.asdict(o), "cpus": os.cpu_count(),
+                              "date": time.strftime("%Y-%m-%d")}
+    ray.init(num_cpus=o.cpus, include_dashboard=False, ignore_reinit_error=True)
+    try:
+        if "tail" in only:
+            report["long_tail"] = long_tail(o, run_dir)
+            report["stream_vs_batch"] = report["long_tail"]["stream_vs_batch"]
+        if "overlap" in only:
+            report["reward_overlap"] = r = reward_overlap(o, run_dir)
+            report["overlap_step_vs_max_stage"] = r["overlap_step_vs_max_stage"]
+            report["serial_step_vs_max_stage"] = r["serial_step_vs_max_stage"]
+        if "async" in only:
+            report["async"] = a = async_vs_sync(o, run_dir)
+            report["async_vs_sync"] = a["async_vs_sync"]
+    finally:
+        ray.shutdown()
+    return report
+
+
+def render(report: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"disagg bench pipeline ({report['cpus']} CPUs, {report['date']})")
+    for col in ("comparison", "measured", "ratio", "target"):
+        table.add_column(col, justify="left" if col in ("comparison", "measured") else "right")
+    if "long_tail" in report:
+        t = report["long_tail"]
+        table.add_row("long tail: trained tokens/s, stream vs batch",
+                      f"{t['stream']['trained_tokens_per_s']:.0f} vs {t['batch']['trained_tokens_per_s']:.0f} "
+                      f"(stale drops {t['stream']['dropped_stale']} vs {t['batch']['dropped_stale']})",
+                      f"{t['stream_vs_batch']:.2f}", ">= 2")
+    if "reward_overlap" in report:
+        r = report["reward_overlap"]
+        stages = f"rollout {r['rollout_stage_s']:.2f} s, reward {r['reward_stage_s']:.2f} s"
+        table.add_row("reward overlap: batch ready, overlapped / longest stage",
+                      f"{r['overlapped_stage_s']:.2f} s ({stages})", f"{r['overlap_step_vs_max_stage']:.2f}", "<= 1.2")
+        table.add_row("reward after generation: serial / longest stage", f"{r['serial_stage_s']:.2f} s",
+                      f"{r['serial_step_vs_max_stage']:.2f}", "")
+    if "async" in report:
+        a = report["async"]
+        table.add_row("async (staleness 1) vs sync: samples/s",
+                      f"{a['async']['samples_per_s']:.0f} vs {a['sync']['samples_per_s']:.0f}",
+                      f"{a['async_vs_sync']:.2f}", ">= 1.6")
+        for name in ("sync", "async"):
+            x = a[name]
+            reached = (f"step {x['threshold_step']} ({x['threshold_seconds']:.0f} s)" if x["threshold_step"]
+                       else "not reached")
+            table.add_row(f"  {name}: reward >= {a['threshold']} (10-step mean)", reached,
+                          f"{x['reward_last_10']:.3f}", "")
+    Console().print(table)
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="disagg bench pipeline", description=__doc__.split("\n\n")[0])
+    f = {x.name: x for x in dataclasses.fields(PipelineBenchOptions)}
+    for name, field in f.items():
+        p.add_argument("--" + name.replace("_", "-"), type=type(field.default) if field.default is not None else int,
+                       default=field.default)
+    p.add_argument("--only", default="tail,overlap,async", help="comparisons to run, comma-separated")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the report as JSON")
+    a = vars(p.parse_args(argv))
+    json_path, only = a.pop("json"), set(a.pop("only").split(","))
+    unknown = only - {"tail", "overlap", "async"}
+    if unknown:
+        p.error(f"--only: unknown comparisons {sorted(unknown)} (tail, overlap, async)")
+    opts = PipelineBenchOptions(**a)
+    setup_logging("bench", opts.log_level)
+    report = run(opts, only)
+    render(report)
+    if json_path:
+        Path(json_path).write_text(json.dumps(report, indent=2))
+        print(f"wrote {json_path}", file=sys.stderr)
+    return 0

@@ -1,0 +1,129 @@
+"""GroupScheduler: admission control, staleness at batch formation, stream vs batch.
+
+A simulated cluster (no Ray): engines finish groups in a random order with
+heavy-tailed delays while a trainer takes batches; every group submitted must
+end trained, dropped as stale (counted) or still carried over - never lost.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from disagg.pipeline import Group, GroupScheduler
+from disagg.samples import TrainSample
+
+
+def _group(gid: int, version: int) -> Group:
+    return Group(gid, {"i": gid}, (1, 2), engine=0, submitted_version=version, t_submit=0.0)
+
+
+def _samples(gid: int, versions: list[int]) -> list[TrainSample]:
+    return [TrainSample([1, 2], [3, gid], [-0.1, -0.2], 0.5, 1.0, v) for v in versions]
+
+
+def test_admission_bounds_inflight_plus_buffered_by_what_can_still_be_trained() -> None:
+    s = GroupScheduler(batch_groups=4, max_inflight=100)
+    # Synchronous (limit 0): one batch at the current version, nothing while its step runs.
+    assert s.capacity(engine_version=3, next_train_version=3, max_staleness=0) == 4
+    assert s.capacity(engine_version=3, next_train_version=4, max_staleness=0) == 0
+    # One step of staleness: the next batch may generate during the running step.
+    assert s.capacity(engine_version=3, next_train_version=4, max_staleness=1) == 4
+    assert s.capacity(engine_version=3, next_train_version=3, max_staleness=2) == 12
+    for gid in range(5):
+        s.submitted(_group(gid, 3))
+    s.finished(0, _samples(0, [3, 3]))
+    # 4 in flight + 1 ready count against the 12 groups steps 3, 4 and 5 can take.
+    assert s.capacity(engine_version=3, next_train_version=3, max_staleness=2) == 7
+    # max_inflight caps what generates at once, whatever the staleness allows.
+    t = GroupScheduler(batch_groups=4, max_inflight=6)
+    assert t.capacity(engine_version=1, next_train_version=1, max_staleness=5) == 6
+
+
+def test_stream_hands_over_the_first_complete_groups_and_carries_the_rest() -> None:
+    s = GroupScheduler(batch_groups=2, max_inflight=8)
+    for gid in range(4):
+        s.submitted(_group(gid, 1))
+    s.finished(2, _samples(2, [1, 1]))
+    assert s.take_batch(train_version=1, max_staleness=0) is None  # one complete group is not a batch
+    s.finished(0, _samples(0, [1, 1]))
+    batch = s.take_batch(train_version=1, max_staleness=0)
+    assert [g.gid for g in batch] == [2, 0]  # completion order, not submission order
+    assert set(s.inflight) == {1, 3}  # unfinished groups carried over
+
+
+def test_batch_mode_waits_for_every_group_of_the_step() -> None:
+    s = GroupScheduler(batch_groups=3, max_inflight=8, mode="batch")
+    assert s.capacity(1, 1, 1) == 3
+    for gid in range(3):
+        s.submitted(_group(gid, 1))
+    assert s.capacity(1, 1, 1) == 0  # nothing more until this batch is handed over
+    s.finished(0, _samples(0, [1]))
+    s.finished(1, _samples(1, [1]))
+    assert s.take_batch(1, 1) is None
+    s.finished(2, _samples(2, [1]))
+    assert [g.gid for g in s.take_batch(1, 1)] == [0, 1, 2]
+
+
+def test_stale_groups_are_dropped_at_batch_formation_and_counted() -> None:
+    s = GroupScheduler(batch_groups=1, max_inflight=8)
+    for gid, v in [(0, 1), (1, 2), (2, 3)]:
+        s.submitted(_group(gid, v))
+    # Group 0 was interrupted by updates: its oldest token is version 1.
+    s.finished(0, _samples(0, [1, 2]))
+    s.finished(1, _samples(1, [2, 2, 3]))
+    s.finished(2, _samples(2, [3]))
+    batch = s.take_batch(train_version=3, max_staleness=1)
+    assert [g.gid for g in batch] == [1]
+    assert s.counts["dropped_stale"] == 2 and s.counts["dropped_stale_groups"] == 1
+    assert [g.gid for g in s.take_batch(train_version=4, max_staleness=1)] == [2]
+
+
+def test_a_dropped_group_is_not_buffered() -> None:
+    s = GroupScheduler(batch_groups=1, max_inflight=4)
+    s.submitted(_group(0, 1))
+    s.finished(0, None)
+    assert not s.inflight and not s.ready
+
+
+@pytest.mark.parametrize("mode", ["stream", "batch"])
+@pytest.mark.parametrize("limit", [0, 1, 3])
+def test_simulated_run_loses_no_group_and_trains_nothing_too_stale(mode: str, limit: int) -> None:
+    rng = random.Random(limit * 7 + len(mode))
+    s = GroupScheduler(batch_groups=4, max_inflight=16, mode=mode)
+    version, engine_version, submitted, trained, running = 1, 1, 0, [], []
+    finish_at: dict[int, float] = {}
+    clock = 0.0
+    train_done_at: float | None = None
+    for _ in range(4000):
+        next_train = version + (1 if train_done_at is not None else 0)
+        for _ in range(s.capacity(engine_version, next_train, limit)):
+            s.submitted(_group(submitted, engine_version))
+            finish_at[submitted] = clock + (50.0 if rng.random() < 0.1 else rng.uniform(0.5, 2.0))  # long tail
+            submitted += 1
+        if train_done_at is None:
+            batch = s.take_batch(version, limit)
+            if batch is not None:
+                trained.extend((version, g) for g in batch)
+                train_done_at = clock + 1.0
+        clock += 0.25
+        for gid, t in list(finish_at.items()):
+            if t <= clock:
+                g = s.inflight[gid]
+                # Tokens after the submission version come from the versions served since.
+                s.finished(gid, _samples(gid, [g.submitted_version, engine_version]))
+                del finish_at[gid]
+        if train_done_at is not None and clock >= train_done_at:
+            version += 1
+            engine_version = version  # the sync lands
+            train_done_at = None
+        running.append(len(s.inflight))
+    assert len(trained) > 50
+    for v, g in trained:
+        assert v - g.min_version <= limit
+    dropped = s.counts["dropped_stale_groups"]
+    assert submitted == len(trained) + dropped + len(s.inflight) + len(s.ready)
+    assert max(running) <= 16
+    if limit == 0:
+        assert dropped == 0  # admission keeps the synchronous loop from producing stale groups
