@@ -254,6 +254,7 @@ class Pipeline:
         t_idle_from = time.perf_counter()  # trainer idle since
         idle_s = 0.0
         gen_tokens = 0
+        latencies: list[float] = []  # generation time of the groups finished since the last step
         stall_limit = self.cfg.cluster.actor_timeout_s
         t_event = time.perf_counter()
         try:
@@ -297,6 +298,7 @@ class Pipeline:
                             raise RolloutError(f"engine {group.engine} died while generating group {gid}: "
                                                f"{str(e).splitlines()[0][:300]}") from e
                         gen_tokens += sum(len(c.response_ids) for c in group.result.completions)
+                        latencies.append(time.perf_counter() - group.t_submit)
                         if not self.scorer.check_group(group.result, self.counts):
                             self.sched.finished(gid, None)
                             continue
@@ -324,7 +326,9 @@ class Pipeline:
                     t_idle_from = time.perf_counter()
                     now = time.perf_counter()
                     rec = self._record(record, sync, now - t_last, idle_s, gen_tokens, limit)
-                    t_last, idle_s, gen_tokens = now, 0.0, 0
+                    rec["rollout/group_seconds_max"] = max(latencies, default=0.0)
+                    rec["rollout/group_seconds_mean"] = sum(latencies) / max(len(latencies), 1)
+                    t_last, idle_s, gen_tokens, latencies = now, 0.0, 0, []
                     self.records.append(rec)
                     if self.metrics is not None:
                         self.metrics.log(record.step, rec)
@@ -383,6 +387,7 @@ class Pipeline:
             "policy/max_staleness_limit": limit,
             "policy/oldest_token_version": min((s.policy_version for s in samples), default=0),
             "policy/newest_token_version": max((g.max_version for g in record.groups), default=0),
+            "policy/versions_per_sample_max": max((g.max_version - g.min_version for g in record.groups), default=0),
             "reward/mean": sum(rewards) / max(len(rewards), 1),
             "reward/max": max(rewards, default=0.0),
             "response/len_mean": tokens / max(len(samples), 1),

@@ -6,12 +6,15 @@ trainer (CPU is fine):
   long tail      response lengths drawn from a heavy-tailed distribution (most
                  short, a few near the cap; ``ignore_eos`` makes each length
                  exact): trained tokens per second of ``rollout.scheduler=stream``
-                 vs ``batch``, both at the same staleness limit.
-  reward overlap a reward with a set latency per sample, chosen so that scoring a
-                 batch takes about as long as generating it: the time from a step's
-                 start to its batch being ready, rewards scored by workers while
-                 generation goes on vs. after the whole batch was generated,
-                 each divided by the longer of the two stages measured alone.
+                 (at ``--tail-staleness``) vs ``batch`` (the synchronous pattern,
+                 staleness 0: each step waits for its slowest group).
+  reward overlap a reward with a set latency per sample, chosen so that the total
+                 reward time of a batch (the sum over its samples) equals the
+                 rollout time measured without it: the time from a step's start to
+                 its batch being ready, rewards scored by the worker pool while
+                 generation goes on vs. after the whole batch was generated, each
+                 divided by the longer stage. Response lengths vary and the engine's
+                 concurrency is bounded, so groups finish over the whole rollout.
   async vs sync  samples per second of ``max_staleness=1`` vs ``0`` on the default
                  task from the same initial weights, and the step (and seconds) at
                  which each run's reward first reaches the threshold.
@@ -40,12 +43,14 @@ log = logging.getLogger("disagg.bench")
 
 @dataclasses.dataclass(frozen=True)
 class PipelineBenchOptions:
-    tail_steps: int = 16  # train steps per scheduler in the long-tail comparison
+    tail_steps: int = 32  # train steps per scheduler in the long-tail comparison
     tail_short: int = 4  # most responses: this many tokens
     tail_long: int = 96  # the tail: this many tokens
     tail_fraction: float = 0.1  # share of prompts whose responses are long
-    tail_staleness: int = 2  # the staleness limit both schedulers run with
+    tail_staleness: int = 16  # the staleness limit of the stream run (batch: 0, the synchronous pattern)
+    tail_inflight: int = 16  # rollout.max_inflight_groups of the stream scheduler
     overlap_steps: int = 8  # steps per variant in the reward-overlap comparison
+    overlap_max_seqs: int = 32  # engine concurrency there: a step's groups finish in waves
     async_steps: int = 120  # steps per run in the async-vs-sync comparison
     threshold: float = 0.75  # reward (10-step moving mean) both runs must reach
     cpus: int | None = None  # Ray CPUs (default: the machine's)
@@ -74,6 +79,7 @@ def _start(cfg, run_dir: Path):
     from disagg.model.warmstart import prepare_model
 
     model_path = prepare_model(cfg)
+    run_dir.mkdir(parents=True, exist_ok=True)
     job = Job.start(cfg, run_dir, model_path)
     job.sync_weights(1, trainer_step=0)
     return job, AutoTokenizer.from_pretrained(model_path)
@@ -90,7 +96,7 @@ def _run(cfg, job, tok, steps: int, first: int, **kw) -> tuple[Any, float]:
 
 def long_tail(o: PipelineBenchOptions, run_dir: Path) -> dict[str, Any]:
     """Trained tokens per second, stream vs batch, on heavy-tailed response lengths."""
-    cfg = _base_config(o, rollout={"max_model_len": o.tail_long + 16, "max_inflight_groups": 64},
+    cfg = _base_config(o, rollout={"max_model_len": o.tail_long + 16, "max_inflight_groups": o.tail_inflight},
                        algorithm={"max_staleness": o.tail_staleness, "prompts_per_step": 8, "group_size": 4},
                        reward={"num_workers": 1})
     job, tok = _start(cfg, run_dir / "tail")
@@ -105,13 +111,20 @@ def long_tail(o: PipelineBenchOptions, run_dir: Path) -> dict[str, Any]:
                 n = o.tail_long if rng.random() < o.tail_fraction else o.tail_short
                 return SamplingSpec(max_tokens=n, temperature=1.0, n=cfg.algorithm.group_size, ignore_eos=True)
 
-            mcfg = _replace(cfg, "rollout", scheduler=mode)
+            # batch is the synchronous pattern (staleness 0: a step waits for its slowest group and
+            # nothing generates while it trains); stream runs at tail_staleness.
+            mcfg = _replace(_replace(cfg, "rollout", scheduler=mode), "algorithm",
+                            max_staleness=0 if mode == "batch" else o.tail_staleness)
+            job.coordinator.state.set_max_staleness(mcfg.algorithm.max_staleness)
             p, wall = _run(mcfg, job, tok, o.tail_steps, version, sampling_for=lengths)
             version += o.tail_steps
             out[mode] = {"trained_tokens": p.trained_tokens, "seconds": wall,
                          "trained_tokens_per_s": p.trained_tokens / wall,
                          "dropped_stale": p.records[-1]["samples/dropped_stale"],
-                         "staleness_max": max(r["policy/staleness_max"] for r in p.records)}
+                         "staleness_max": max(r["policy/staleness_max"] for r in p.records),
+                         "step_s_median": statistics.median(r["timing/step_s"] for r in p.records),
+                         "group_seconds_max": max(r["rollout/group_seconds_max"] for r in p.records),
+                         "group_seconds_mean": statistics.mean(r["rollout/group_seconds_mean"] for r in p.records)}
             log.warning("long tail, %s: %.0f trained tokens/s", mode, out[mode]["trained_tokens_per_s"])
     finally:
         job.shutdown()
@@ -130,37 +143,49 @@ def reward_overlap(o: PipelineBenchOptions, run_dir: Path) -> dict[str, Any]:
 
     from disagg.pipeline import RewardWorker
 
+    from disagg.rollout.types import SamplingSpec
+
     workers = 2
     cfg = _base_config(o, algorithm={"max_staleness": 0, "prompts_per_step": 16, "group_size": 8},
-                       rollout={"scheduler": "batch"}, reward={"num_workers": workers})
+                       rollout={"scheduler": "batch", "max_num_seqs": o.overlap_max_seqs},
+                       reward={"num_workers": workers})
     job, tok = _start(cfg, run_dir / "overlap")
     version, out = 1, {}
+
+    def lengths():  # varied lengths (the same sequence in every run): groups finish over the rollout
+        rng = random.Random(1)
+        return lambda row: SamplingSpec(max_tokens=rng.randint(4, 24), temperature=1.0, n=cfg.algorithm.group_size,
+                                        ignore_eos=True)
+
     try:
-        p, _ = _run(cfg, job, tok, o.overlap_steps, version)
+        p, _ = _run(cfg, job, tok, o.overlap_steps, version, sampling_for=lengths())
         version += o.overlap_steps
         rollout_s = _stage(p)  # generation alone (rewards are instant)
         samples = cfg.algorithm.prompts_per_step * cfg.algorithm.group_size
-        latency = rollout_s * workers / samples  # scoring a batch then takes about as long
+        latency = rollout_s / samples  # total reward time (the sum over a batch) ~ total rollout time
         # The reward stage alone: one batch through the same pool, nothing generating.
         pool = [ray.remote(RewardWorker).options(num_cpus=0).remote("reverse_digits", None, latency, "WARNING")
                 for _ in range(workers)]
         texts = ["1234"] * cfg.algorithm.group_size
         row = {"answer": "4321", "prompt": "1234="}
+        ray.get([w.score.remote([], row) for w in pool], timeout=120)  # started, not timed
         t0 = time.perf_counter()
         ray.get([pool[g % workers].score.remote(texts, row) for g in range(cfg.algorithm.prompts_per_step)],
                 timeout=600)
-        reward_s = time.perf_counter() - t0
+        pool_s = time.perf_counter() - t0
+        reward_s = latency * samples
         for w in pool:
             ray.kill(w)
         lcfg = _replace(cfg, "reward", latency_s=latency)
         for name, overlap in (("serial", False), ("overlapped", True)):
-            p, _ = _run(lcfg, job, tok, o.overlap_steps, version, overlap_rewards=overlap)
+            p, _ = _run(lcfg, job, tok, o.overlap_steps, version, overlap_rewards=overlap, sampling_for=lengths())
             version += o.overlap_steps
             out[f"{name}_stage_s"] = _stage(p)
     finally:
         job.shutdown()
     longest = max(rollout_s, reward_s)
-    out.update(rollout_stage_s=rollout_s, reward_stage_s=reward_s, reward_latency_per_sample_s=latency,
+    out.update(rollout_stage_s=rollout_s, reward_stage_s=reward_s, reward_pool_s=pool_s, reward_workers=workers,
+               reward_latency_per_sample_s=latency,
                overlap_step_vs_max_stage=out["overlapped_stage_s"] / longest,
                serial_step_vs_max_stage=out["serial_stage_s"] / longest)
     return out
@@ -241,7 +266,8 @@ def render(report: dict[str, Any]) -> None:
                       f"{t['stream_vs_batch']:.2f}", ">= 2")
     if "reward_overlap" in report:
         r = report["reward_overlap"]
-        stages = f"rollout {r['rollout_stage_s']:.2f} s, reward {r['reward_stage_s']:.2f} s"
+        stages = (f"rollout {r['rollout_stage_s']:.2f} s, reward {r['reward_stage_s']:.2f} s in total, "
+                  f"{r['reward_pool_s']:.2f} s on {r['reward_workers']} workers")
         table.add_row("reward overlap: batch ready, overlapped / longest stage",
                       f"{r['overlapped_stage_s']:.2f} s ({stages})", f"{r['overlap_step_vs_max_stage']:.2f}", "<= 1.2")
         table.add_row("reward after generation: serial / longest stage", f"{r['serial_stage_s']:.2f} s",

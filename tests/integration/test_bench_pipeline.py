@@ -1,0 +1,44 @@
+"""``disagg bench pipeline`` end to end on CPU (real Ray, vLLM, trainer), short settings.
+
+Run as a subprocess (the benchmark starts and stops its own Ray). Its JSON report
+must carry the keys scripts rely on, with ratios that are the ratios of the raw
+figures reported next to them.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from disagg.bench.pipeline import _first_reaching
+
+
+def test_first_reaching_uses_the_moving_mean_and_elapsed_time():
+    recs = [{"reward/mean": r, "timing/step_s": 0.5} for r in [0.1, 0.9, 0.9, 0.2, 0.9, 0.9, 0.9]]
+    assert _first_reaching(recs, 0.8, window=3) == (7, 3.5)
+    assert _first_reaching(recs, 0.95, window=3) == (None, None)
+
+
+@pytest.mark.timeout(900)
+def test_bench_pipeline_reports_measured_ratios(tmp_path):
+    out = tmp_path / "pipeline.json"
+    cmd = [sys.executable, "-m", "disagg", "bench", "pipeline", "--only", "tail,overlap", "--tail-steps", "3",
+           "--overlap-steps", "3", "--tail-long", "48", "--run-dir", str(tmp_path / "runs"), "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=840)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    tail = report["long_tail"]
+    for mode in ("stream", "batch"):
+        assert tail[mode]["trained_tokens"] > 0 and tail[mode]["seconds"] > 0
+        assert tail[mode]["staleness_max"] <= report["options"]["tail_staleness"]
+    assert report["stream_vs_batch"] == pytest.approx(
+        tail["stream"]["trained_tokens_per_s"] / tail["batch"]["trained_tokens_per_s"])
+    ov = report["reward_overlap"]
+    longest = max(ov["rollout_stage_s"], ov["reward_stage_s"])
+    assert report["overlap_step_vs_max_stage"] == pytest.approx(ov["overlapped_stage_s"] / longest)
+    assert report["serial_step_vs_max_stage"] == pytest.approx(ov["serial_stage_s"] / longest)
+    assert ov["reward_latency_per_sample_s"] > 0
+    assert "long tail: trained tokens/s" in proc.stdout
