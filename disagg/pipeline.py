@@ -90,6 +90,11 @@ class GroupScheduler:
             return min(self.batch_groups, room) if not self.inflight and not self.ready else 0
         return max(0, min(self.max_inflight - len(self.inflight), room))
 
+    def admit(self, engine_version: int, next_train_version: int, max_staleness: int) -> int:
+        """The driver's admission step: drop ready groups the next step cannot train, then the capacity."""
+        self.drop_stale(next_train_version, max_staleness)
+        return self.capacity(engine_version, next_train_version, max_staleness)
+
     def submitted(self, group: Group) -> None:
         self.inflight[group.gid] = group
 
@@ -101,11 +106,11 @@ class GroupScheduler:
             self.ready.append(group)
         return group
 
-    def take_batch(self, train_version: int, max_staleness: int) -> list[Group] | None:
-        """The groups to train on ``train_version``, or None if not ready yet.
+    def drop_stale(self, train_version: int, max_staleness: int) -> int:
+        """Drop (and count) ready groups too stale for a step on ``train_version``; returns how many.
 
-        Ready groups whose oldest token is more than ``max_staleness`` versions behind
-        are dropped first (``counts['dropped_stale']`` samples, ``['dropped_stale_groups']``).
+        Done before admission too: buffered groups that can no longer be trained (the
+        limit was lowered at run time) must not hold the room new groups need.
         """
         keep: deque[Group] = deque()
         for g in self.ready:
@@ -114,7 +119,17 @@ class GroupScheduler:
                 self.counts["dropped_stale_groups"] += 1
             else:
                 keep.append(g)
+        dropped = len(self.ready) - len(keep)
         self.ready = keep
+        return dropped
+
+    def take_batch(self, train_version: int, max_staleness: int) -> list[Group] | None:
+        """The groups to train on ``train_version``, or None if not ready yet.
+
+        Ready groups whose oldest token is more than ``max_staleness`` versions behind
+        are dropped first (``counts['dropped_stale']`` samples, ``['dropped_stale_groups']``).
+        """
+        self.drop_stale(train_version, max_staleness)
         if self.mode == "stream":
             if len(self.ready) < self.batch_groups:
                 return None
@@ -261,8 +276,9 @@ class Pipeline:
             while step < last_step or train_refs is not None or pending_sync is not None:
                 limit = state.max_staleness()
                 next_train = version + (1 if train_refs is not None else 0)
+                admitted = self.sched.admit(engine_version, next_train, limit)
                 if step + (1 if train_refs is not None else 0) < last_step:
-                    for _ in range(self.sched.capacity(engine_version, next_train, limit)):
+                    for _ in range(admitted):
                         ref, gid = self._submit(engines, load, engine_version)
                         gen[ref] = gid
                 if (train_refs is None and pending_sync is None and step < last_step):

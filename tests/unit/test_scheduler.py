@@ -80,6 +80,19 @@ def test_stale_groups_are_dropped_at_batch_formation_and_counted() -> None:
     assert [g.gid for g in s.take_batch(train_version=4, max_staleness=1)] == [2]
 
 
+def test_lowering_the_limit_frees_the_room_held_by_groups_that_became_too_stale() -> None:
+    s = GroupScheduler(batch_groups=2, max_inflight=8)
+    for gid in range(4):
+        s.submitted(_group(gid, 5))
+        s.finished(gid, _samples(gid, [5]))
+    # Limit 2 at version 6: 4 buffered groups fill the room of steps 6 and 7 ...
+    assert s.capacity(engine_version=6, next_train_version=6, max_staleness=2) == 2
+    # ... limit lowered to 0: they can never be trained; once dropped, a batch can be generated.
+    assert s.capacity(engine_version=6, next_train_version=6, max_staleness=0) == 0
+    assert s.drop_stale(6, 0) == 4 and s.counts["dropped_stale"] == 4
+    assert s.capacity(engine_version=6, next_train_version=6, max_staleness=0) == 2
+
+
 def test_a_dropped_group_is_not_buffered() -> None:
     s = GroupScheduler(batch_groups=1, max_inflight=4)
     s.submitted(_group(0, 1))
@@ -88,25 +101,31 @@ def test_a_dropped_group_is_not_buffered() -> None:
 
 
 @pytest.mark.parametrize("mode", ["stream", "batch"])
-@pytest.mark.parametrize("limit", [0, 1, 3])
-def test_simulated_run_loses_no_group_and_trains_nothing_too_stale(mode: str, limit: int) -> None:
+@pytest.mark.parametrize("limit,lowered", [(0, None), (1, None), (3, None), (3, 0), (2, 1)])
+def test_simulated_run_loses_no_group_and_trains_nothing_too_stale(mode: str, limit: int, lowered) -> None:
+    """The driver's decisions (admit, then take a batch when the trainer is free) against a simulated
+    cluster; ``lowered``: the limit is lowered at run time, as `disagg ctl set-staleness` does."""
     rng = random.Random(limit * 7 + len(mode))
     s = GroupScheduler(batch_groups=4, max_inflight=16, mode=mode)
     version, engine_version, submitted, trained, running = 1, 1, 0, [], []
     finish_at: dict[int, float] = {}
     clock = 0.0
     train_done_at: float | None = None
-    for _ in range(4000):
+    for it in range(4000):
+        if lowered is not None and it == 2000:
+            limit = lowered
         next_train = version + (1 if train_done_at is not None else 0)
-        for _ in range(s.capacity(engine_version, next_train, limit)):
+        for _ in range(s.admit(engine_version, next_train, limit)):
             s.submitted(_group(submitted, engine_version))
             finish_at[submitted] = clock + (50.0 if rng.random() < 0.1 else rng.uniform(0.5, 2.0))  # long tail
             submitted += 1
         if train_done_at is None:
             batch = s.take_batch(version, limit)
             if batch is not None:
-                trained.extend((version, g) for g in batch)
+                trained.extend((version, g, limit) for g in batch)
                 train_done_at = clock + 1.0
+        # Where the driver waits: something must be generating or training, else it stalled.
+        assert s.inflight or train_done_at is not None, (it, limit, len(s.ready))
         clock += 0.25
         for gid, t in list(finish_at.items()):
             if t <= clock:
@@ -120,10 +139,10 @@ def test_simulated_run_loses_no_group_and_trains_nothing_too_stale(mode: str, li
             train_done_at = None
         running.append(len(s.inflight))
     assert len(trained) > 50
-    for v, g in trained:
-        assert v - g.min_version <= limit
+    for v, g, lim in trained:
+        assert v - g.min_version <= lim
     dropped = s.counts["dropped_stale_groups"]
     assert submitted == len(trained) + dropped + len(s.inflight) + len(s.ready)
     assert max(running) <= 16
-    if limit == 0:
+    if limit == 0 and lowered is None:
         assert dropped == 0  # admission keeps the synchronous loop from producing stale groups
