@@ -49,8 +49,9 @@ class PipelineBenchOptions:
     tail_fraction: float = 0.1  # share of prompts whose responses are long
     tail_staleness: int = 16  # the staleness limit of the stream run (batch: 0, the synchronous pattern)
     tail_inflight: int = 16  # rollout.max_inflight_groups of the stream scheduler
-    overlap_steps: int = 8  # steps per variant in the reward-overlap comparison
+    overlap_steps: int = 10  # steps per variant in the reward-overlap comparison
     overlap_max_seqs: int = 32  # engine concurrency there: a step's groups finish in waves
+    reward_workers: int = 4  # reward.num_workers there
     async_steps: int = 120  # steps per run in the async-vs-sync comparison
     threshold: float = 0.75  # reward (10-step moving mean) both runs must reach
     cpus: int | None = None  # Ray CPUs (default: the machine's)
@@ -145,7 +146,7 @@ def reward_overlap(o: PipelineBenchOptions, run_dir: Path) -> dict[str, Any]:
 
     from disagg.rollout.types import SamplingSpec
 
-    workers = 2
+    workers = o.reward_workers
     cfg = _base_config(o, algorithm={"max_staleness": 0, "prompts_per_step": 16, "group_size": 8},
                        rollout={"scheduler": "batch", "max_num_seqs": o.overlap_max_seqs},
                        reward={"num_workers": workers})
@@ -158,6 +159,8 @@ def reward_overlap(o: PipelineBenchOptions, run_dir: Path) -> dict[str, Any]:
                                         ignore_eos=True)
 
     try:
+        _run(cfg, job, tok, 2, version, sampling_for=lengths())  # warm-up: first requests, actor starts
+        version += 2
         p, _ = _run(cfg, job, tok, o.overlap_steps, version, sampling_for=lengths())
         version += o.overlap_steps
         rollout_s = _stage(p)  # generation alone (rewards are instant)
