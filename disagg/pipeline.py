@@ -64,7 +64,8 @@ class GroupScheduler:
     """Admission control and batch formation over prompt groups (no Ray, no vLLM).
 
     ``mode="stream"``: up to ``max_inflight`` groups generate at once and a batch is
-    the first ``batch_groups`` groups to complete; the others carry over. ``"batch"``:
+    ``batch_groups`` complete groups, the oldest policy version first (then completion
+    order); the others carry over. ``"batch"``:
     a step's groups are submitted together and the batch is handed over only when
     all of them completed.
     """
@@ -133,7 +134,13 @@ class GroupScheduler:
         if self.mode == "stream":
             if len(self.ready) < self.batch_groups:
                 return None
-            return [self.ready.popleft() for _ in range(self.batch_groups)]
+            # Oldest policy version first (completion order among equals): a long group that
+            # finished late is trained before it becomes too stale, not behind newer short ones.
+            order = sorted(range(len(self.ready)), key=lambda i: self.ready[i].min_version)[: self.batch_groups]
+            chosen = set(order)
+            batch = [self.ready[i] for i in sorted(order, key=lambda i: (self.ready[i].min_version, i))]
+            self.ready = deque(g for i, g in enumerate(self.ready) if i not in chosen)
+            return batch
         if self.inflight or not self.ready:
             return None
         batch = list(self.ready)
@@ -272,6 +279,7 @@ class Pipeline:
         latencies: list[float] = []  # generation time of the groups finished since the last step
         stall_limit = self.cfg.cluster.actor_timeout_s
         t_event = time.perf_counter()
+        next_log = self.cfg.rollout.wait_log_interval_s  # seconds without an event before the next progress line
         try:
             while step < last_step or train_refs is not None or pending_sync is not None:
                 limit = state.max_staleness()
@@ -295,13 +303,20 @@ class Pipeline:
                                        f"{version}, engines on {engine_version}")
                 done, _ = ray.wait(waitables, num_returns=1, timeout=1.0)
                 if not done:
-                    if time.perf_counter() - t_event > stall_limit:
+                    quiet = time.perf_counter() - t_event
+                    if quiet >= next_log:
+                        log.info("waiting %.0f s: %d groups generating, %d scoring, %d ready of %d, train step %s, "
+                                 "sync %s", quiet, len(gen), len(scoring), len(self.sched.ready),
+                                 self.sched.batch_groups, "running" if train_refs else "idle",
+                                 "running" if pending_sync else "idle")
+                        next_log = quiet + self.cfg.rollout.wait_log_interval_s
+                    if quiet > stall_limit:
                         raise RolloutError(f"no progress for {stall_limit:.0f} s (cluster.actor_timeout_s): "
                                            f"{len(gen)} groups generating, {len(scoring)} scoring, train step "
                                            f"{'running' if train_refs else 'idle'}, sync "
                                            f"{'running' if pending_sync else 'idle'}")
                     continue
-                t_event = time.perf_counter()
+                t_event, next_log = time.perf_counter(), self.cfg.rollout.wait_log_interval_s
                 ready, _ = ray.wait(waitables, num_returns=len(waitables), timeout=0)
                 for ref in ready:
                     if ref in gen:

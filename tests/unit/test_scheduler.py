@@ -53,6 +53,16 @@ def test_stream_hands_over_the_first_complete_groups_and_carries_the_rest() -> N
     assert set(s.inflight) == {1, 3}  # unfinished groups carried over
 
 
+def test_stream_trains_the_oldest_complete_groups_first() -> None:
+    s = GroupScheduler(batch_groups=2, max_inflight=8)
+    for gid, v in [(0, 4), (1, 2), (2, 4), (3, 3)]:
+        s.submitted(_group(gid, v))
+    for gid, versions in [(0, [4]), (2, [4]), (1, [2, 3, 4]), (3, [3, 4])]:  # the long ones finish last
+        s.finished(gid, _samples(gid, versions))
+    assert [g.gid for g in s.take_batch(train_version=4, max_staleness=2)] == [1, 3]
+    assert [g.gid for g in s.ready] == [0, 2]
+
+
 def test_batch_mode_waits_for_every_group_of_the_step() -> None:
     s = GroupScheduler(batch_groups=3, max_inflight=8, mode="batch")
     assert s.capacity(1, 1, 1) == 3
