@@ -32,6 +32,7 @@ from typing import Any
 
 from disagg.rollout.types import GenRequest, GenResult, SamplingSpec
 from disagg.samples import TrainSample
+from disagg.tasks.base import safe_reward
 
 log = logging.getLogger("disagg.pipeline")
 
@@ -162,29 +163,8 @@ class RewardWorker:
     def score(self, texts: list[str], row: dict[str, Any]) -> tuple[list[float], dict[str, int]]:
         """Rewards of a group's texts; a raising or NaN reward scores 0 and is counted."""
         counts: Counter = Counter()
-        rewards = [_safe_reward(self.fn, t, row, counts, self._logged, self.latency_s) for t in texts]
+        rewards = [safe_reward(self.fn, t, row, counts, self._logged, self.latency_s) for t in texts]
         return rewards, dict(counts)
-
-
-def _safe_reward(fn, text: str, row: dict, counts: Counter, logged: set[str], latency_s: float) -> float:
-    import traceback
-
-    if latency_s > 0:
-        time.sleep(latency_s)
-    try:
-        r = float(fn(text, row))
-    except Exception as e:  # noqa: BLE001 - a user reward must not kill the run; scored 0 and counted
-        counts["reward_errors"] += 1
-        kind = type(e).__name__
-        if kind not in logged:
-            logged.add(kind)
-            log.error("reward function raised %s (scored 0; further %s errors are only counted):\n%s",
-                      kind, kind, traceback.format_exc())
-        return 0.0
-    if r != r:  # NaN
-        counts["reward_errors"] += 1
-        return 0.0
-    return r
 
 
 @dataclass
@@ -237,11 +217,7 @@ class Pipeline:
 
         rc = self.cfg.reward
         if rc.num_workers == 0:
-            from disagg.tasks.base import get_reward
-
-            self._inline = get_reward(rc.name, rc.path)
-            self._inline_logged: set[str] = set()
-            return
+            return  # scored on the driver by self.scorer
         cls = ray.remote(RewardWorker).options(num_cpus=rc.cpus_per_worker)
         self.rewards = [cls.remote(rc.name, rc.path, rc.latency_s, self.cfg.logging.level)
                         for _ in range(rc.num_workers)]
@@ -390,8 +366,7 @@ class Pipeline:
         if self.rewards:
             return {self.rewards[gid % len(self.rewards)].score.remote(texts, row): gid}
         counts: Counter = Counter()
-        rewards = [_safe_reward(self._inline, t, row, counts, self._inline_logged, self.cfg.reward.latency_s)
-                   for t in texts]
+        rewards = [self.scorer.reward(t, row, counts) for t in texts]
         self._scored(gid, rewards, dict(counts))
         return {}
 

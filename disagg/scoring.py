@@ -9,7 +9,6 @@ the log.
 from __future__ import annotations
 
 import logging
-import traceback
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -19,7 +18,7 @@ import torch
 from disagg.config import AlgorithmConfig
 from disagg.rollout.types import GenResult
 from disagg.samples import TrainSample
-from disagg.tasks.base import RewardFn
+from disagg.tasks.base import RewardFn, safe_reward
 from disagg.trainer.grpo import group_advantages
 
 log = logging.getLogger("disagg.scoring")
@@ -34,28 +33,17 @@ class ScoredBatch:
 
 
 class Scorer:
-    def __init__(self, reward_fn: RewardFn, decode: Callable[[list[int]], str], algo: AlgorithmConfig):
+    def __init__(self, reward_fn: RewardFn, decode: Callable[[list[int]], str], algo: AlgorithmConfig,
+                 latency_s: float = 0.0):
         self.reward_fn = reward_fn
         self.decode = decode
         self.algo = algo
+        self.latency_s = latency_s  # reward.latency_s: extra seconds per sample (benchmarks)
         self._logged: set[str] = set()
 
     def reward(self, text: str, row: dict[str, Any], counts: Counter) -> float:
         """The reward of one response; an exception or NaN scores 0 and is counted in ``counts``."""
-        try:
-            r = float(self.reward_fn(text, row))
-        except Exception as e:  # noqa: BLE001 - a user reward must not kill the run; scored 0 and counted
-            counts["reward_errors"] += 1
-            kind = type(e).__name__
-            if kind not in self._logged:
-                self._logged.add(kind)
-                log.error("reward function raised %s (scored 0; further %s errors are only counted):\n%s",
-                          kind, kind, traceback.format_exc())
-            return 0.0
-        if r != r:  # NaN
-            counts["reward_errors"] += 1
-            return 0.0
-        return r
+        return safe_reward(self.reward_fn, text, row, counts, self._logged, self.latency_s)
 
     def group_samples(self, res: GenResult, rewards: list[float], counts: Counter) -> list[TrainSample]:
         """The training samples of one scored group (advantages normalised within it).

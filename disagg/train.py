@@ -50,7 +50,7 @@ def encode_prompt(tokenizer, text: str, add_bos: bool) -> tuple[int, ...]:
 def make_pipeline(cfg: Config, job: Job, tokenizer, **kw) -> Pipeline:
     """The pipeline of ``cfg``'s task and reward on ``job`` (keyword arguments go to ``Pipeline``)."""
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
-    scorer = Scorer(get_reward(cfg.reward.name, cfg.reward.path), decode, cfg.algorithm)
+    scorer = Scorer(get_reward(cfg.reward.name, cfg.reward.path), decode, cfg.algorithm, cfg.reward.latency_s)
     return Pipeline(cfg, job, make_source(cfg), lambda text: encode_prompt(tokenizer, text, cfg.data.add_bos),
                     decode, scorer, **kw)
 

@@ -9,12 +9,18 @@ float``; they are looked up by name in a registry or imported by
 from __future__ import annotations
 
 import importlib
+import logging
+import time
+import traceback
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Protocol
 
 from disagg.errors import ConfigError
 
 RewardFn = Callable[[str, dict[str, Any]], float]
+
+log = logging.getLogger("disagg.scoring")  # where reward failures have always been reported
 
 _REWARDS: dict[str, RewardFn] = {}
 
@@ -63,3 +69,28 @@ class PromptSource(Protocol):
 
     @property
     def num_skipped(self) -> int: ...
+
+
+def safe_reward(fn: RewardFn, text: str, row: dict[str, Any], counts: Counter, logged: set[str],
+                latency_s: float = 0.0) -> float:
+    """``fn(text, row)`` as a float; an exception or NaN scores 0 and is counted in ``counts``.
+
+    A traceback is logged once per exception type (``logged`` remembers which);
+    ``latency_s`` is slept first (a simulated slow reward).
+    """
+    if latency_s > 0:
+        time.sleep(latency_s)
+    try:
+        r = float(fn(text, row))
+    except Exception as e:  # noqa: BLE001 - a user reward must not kill the run; scored 0 and counted
+        counts["reward_errors"] += 1
+        kind = type(e).__name__
+        if kind not in logged:
+            logged.add(kind)
+            log.error("reward function raised %s (scored 0; further %s errors are only counted):\n%s",
+                      kind, kind, traceback.format_exc())
+        return 0.0
+    if r != r:  # NaN
+        counts["reward_errors"] += 1
+        return 0.0
+    return r
