@@ -101,6 +101,18 @@ class RolloutConfig:
     and wait for all of them (the synchronous pattern, for comparison)."""
     max_inflight_groups: int = 64
     """Upper bound on prompt groups generating at once (stream); admission control may allow fewer."""
+    openai_api: bool = True
+    """Each engine serves vLLM's OpenAI API (/v1/chat/completions, /v1/completions, ...) behind the
+    same weights-loaded gate; the addresses are in `disagg ctl status`."""
+    api_host: str = "127.0.0.1"
+    """Interface the OpenAI API binds to; 'node' = the node's IP (reachable from other nodes)."""
+    api_port_base: int = 0
+    """0: a free port per engine; otherwise engine i listens on api_port_base + i."""
+    served_model_name: str = "policy"
+    """The model name clients pass in OpenAI requests."""
+    tool_call_parser: str | None = "hermes"
+    """vLLM tool parser for the chat endpoint and the agent loop ('hermes' for Qwen2-family
+    models and the tiny default); null disables tool calling on the chat endpoint."""
 
 
 @dataclass(frozen=True)
@@ -198,10 +210,11 @@ class ModelConfig:
 class DataConfig:
     train_files: tuple[str, ...] = ()
     """JSONL/Parquet files with a prompt column; empty -> the synthetic task ``task``."""
-    task: Literal["reverse_digits", "code"] = "reverse_digits"
-    """Synthetic task when no train_files: 'reverse_digits' (the embedded default) or 'code'
+    task: Literal["reverse_digits", "code", "calculator"] = "reverse_digits"
+    """Synthetic task when no train_files: 'reverse_digits' (the embedded default), 'code'
     (write a Python function; scored by running assert tests in the sandbox with
-    reward.name=code_tests; needs a real model.path: the tiny char vocabulary cannot write code)."""
+    reward.name=code_tests; needs a real model.path) or 'calculator' (a multi-turn agent task:
+    multiply numbers too large to guess by calling the calculator tool; `disagg train task=calculator`)."""
     prompt_key: str = "prompt"
     """Column holding the prompt text."""
     num_digits: int = 4
@@ -228,6 +241,32 @@ class RewardConfig:
 
 
 @dataclass(frozen=True)
+class AgentConfig:
+    """Multi-turn tool-calling rollouts (used when the task is an agent task, e.g. calculator)."""
+
+    tools: tuple[str, ...] = ("calculator",)
+    """Tools offered to the model: built-ins 'calculator', 'python' (the code sandbox), or a
+    user function 'module:function' (schema from its signature, description from its docstring)."""
+    max_turns: int = 4
+    """Assistant turns per trajectory; a trajectory still calling tools after that ends ('max_turns')."""
+    max_tokens_per_turn: int = 96
+    """Generated tokens per assistant turn."""
+    max_trajectory_tokens: int = 192
+    """Token budget of a trajectory after its prompt (generated + tool-response tokens)."""
+    python_timeout_s: float = 5.0
+    """Wall-clock limit of one 'python' tool call (sandboxed, no network)."""
+    max_tool_result_chars: int = 200
+    """Tool results longer than this are truncated before tokenisation."""
+    client_timeout_s: float | None = None
+    """HTTP timeout of one engine request; null = none (a long generation is not cut off)."""
+    client_max_retries: int = 0
+    """Automatic retries of a failed engine request (0: a retry would re-submit a request id
+    that may still be running)."""
+    num_runners: int = 1
+    """Agent-runner actors (each runs many trajectories concurrently, as asyncio tasks)."""
+
+
+@dataclass(frozen=True)
 class LoggingConfig:
     root_dir: str = "runs"
     """Parent of run directories."""
@@ -249,6 +288,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     run_dir: str | None = None
     """Run directory; null -> hydra's output directory."""
@@ -417,6 +457,23 @@ def validate(cfg: Config, mode: str = "train") -> Config:
         "data.task=code is scored by running the answer's tests: set reward.name=code_tests "
         "(reward.name=reverse_digits would score code as digits)",
     )
+    _check(
+        cfg.data.task != "calculator" or cfg.data.train_files or cfg.reward.path is not None
+        or cfg.reward.name == "calculator",
+        f"data.task=calculator is scored on the final answer: set reward.name=calculator "
+        f"(got reward.name={cfg.reward.name!r}); `disagg train task=calculator` sets both",
+    )
+    ag = cfg.agent
+    for key, v in [("agent.max_turns", ag.max_turns), ("agent.max_tokens_per_turn", ag.max_tokens_per_turn),
+                   ("agent.max_trajectory_tokens", ag.max_trajectory_tokens), ("agent.num_runners", ag.num_runners),
+                   ]:
+        _check(v >= 1, f"{key}={v}: must be >= 1")
+    _check(ag.max_tool_result_chars >= 100,
+           f"agent.max_tool_result_chars={ag.max_tool_result_chars}: must be >= 100 (room for error messages)")
+    _check(ag.client_max_retries >= 0, f"agent.client_max_retries={ag.client_max_retries}: must be >= 0")
+    _check(ag.client_timeout_s is None or ag.client_timeout_s > 0,
+           f"agent.client_timeout_s={ag.client_timeout_s}: must be > 0 or null (no timeout)")
+    _check(0 <= r.api_port_base < 65536, f"rollout.api_port_base={r.api_port_base}: must be in [0, 65535]")
     _check(a.is_cap > 0, f"algorithm.is_cap={a.is_cap}: must be > 0")
     _check(a.num_minibatches >= 1, f"algorithm.num_minibatches={a.num_minibatches}: must be >= 1")
     _check(a.prompts_per_step % a.num_minibatches == 0,

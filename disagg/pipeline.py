@@ -190,7 +190,8 @@ class Pipeline:
     def __init__(self, cfg, job, source: Iterator, encode: Callable[[str], tuple[int, ...]],
                  decode: Callable[[list[int]], str], scorer, metrics=None, progress=None,
                  sampling_for: Callable[[dict], SamplingSpec] | None = None,
-                 on_step: Callable[[int, dict], None] | None = None, overlap_rewards: bool = True) -> None:
+                 on_step: Callable[[int, dict], None] | None = None, overlap_rewards: bool = True,
+                 agent: bool = False) -> None:
         self.cfg, self.job, self.data, self.source = cfg, job, source, iter(source)
         self.encode, self.decode, self.scorer = encode, decode, scorer
         self.metrics, self.progress, self.on_step = metrics, progress, on_step
@@ -202,6 +203,10 @@ class Pipeline:
         # pattern other frameworks use, for the benchmark's comparison).
         self.overlap_rewards = overlap_rewards
         self._held: list[tuple[int, list[str]]] = []
+        # Agent tasks: each group is a set of multi-turn trajectories run by an AgentRunner
+        # against the engines' OpenAI API (the runner places sessions on engines).
+        self.agent = agent
+        self.runners: list[Any] = []
         self.sched = GroupScheduler(algo.prompts_per_step, roll.max_inflight_groups, roll.scheduler)
         self.counts: Counter = Counter()
         self.rewards: list[Any] = []
@@ -210,6 +215,7 @@ class Pipeline:
         self.records: list[dict] = []  # every step's metrics, in order
         self.trained_tokens = 0
         self.trained_samples = 0
+        self.last_batch: list[TrainSample] = []  # the samples of the latest train step (inspection)
 
     # ---- actors ------------------------------------------------------------------------
     def _start_rewards(self) -> None:
@@ -222,12 +228,33 @@ class Pipeline:
         self.rewards = [cls.remote(rc.name, rc.path, rc.latency_s, self.cfg.logging.level)
                         for _ in range(rc.num_workers)]
 
+    def _start_runners(self) -> None:
+        import ray
+
+        from disagg.agent.runner import AgentRunner
+        from disagg.errors import ConfigError
+
+        addresses = {int(i["engine_id"]): i.get("address", "") for i in self.job.rollout.start_info}
+        if not all(addresses.values()):
+            raise ConfigError("agent tasks talk to the engines' OpenAI API: set rollout.openai_api=true")
+        roll = self.cfg.rollout
+        cls = ray.remote(AgentRunner).options(num_cpus=0, max_concurrency=1000)
+        self.runners = [cls.remote(self.cfg.agent, str(self.job.model_path), addresses, roll.served_model_name,
+                                   roll.tool_call_parser or "hermes", roll.max_model_len, self.cfg.logging.level)
+                        for _ in range(self.cfg.agent.num_runners)]
+
+    def agent_stats(self) -> list[dict]:
+        """Each agent runner's counters (requests per engine, tool errors, ...)."""
+        import ray
+
+        return ray.get([r.get_stats.remote() for r in self.runners], timeout=self.cfg.cluster.actor_timeout_s)
+
     def close(self) -> None:
         import ray
 
-        for w in self.rewards:
+        for w in self.rewards + self.runners:
             ray.kill(w)
-        self.rewards = []
+        self.rewards, self.runners = [], []
 
     # ---- the loop ----------------------------------------------------------------------
     def run(self, total_steps: int, first_step: int = 1) -> list[dict]:
@@ -237,6 +264,8 @@ class Pipeline:
         from disagg.errors import RolloutError
 
         self._start_rewards()
+        if self.agent:
+            self._start_runners()
         state = self.job.coordinator.state
         version = engine_version = first_step  # the trainer's weights / what every engine serves
         step = first_step - 1
@@ -271,6 +300,7 @@ class Pipeline:
                         record = StepRecord(step + 1, version, batch, time.perf_counter())
                         idle_s += record.t_batch - t_idle_from
                         samples = [s for g in batch for s in g.samples]
+                        self.last_batch = samples
                         train_refs = self.job.trainer.train_step_async(samples)
                 waitables = list(gen) + list(scoring) + (train_refs or []) + (pending_sync.refs if pending_sync else [])
                 if not waitables:  # admission always lets an idle, synced pipeline submit: a bug if reached
@@ -298,18 +328,21 @@ class Pipeline:
                     if ref in gen:
                         gid = gen.pop(ref)
                         group = self.sched.inflight[gid]
-                        load[group.engine] -= 1
+                        if group.engine >= 0:
+                            load[group.engine] -= 1
                         try:
                             group.result = ray.get(ref)[0]
                         except ray.exceptions.RayActorError as e:
-                            raise RolloutError(f"engine {group.engine} died while generating group {gid}: "
+                            who = f"engine {group.engine}" if group.engine >= 0 else "agent runner"
+                            raise RolloutError(f"{who} died while generating group {gid}: "
                                                f"{str(e).splitlines()[0][:300]}") from e
                         gen_tokens += sum(len(c.response_ids) for c in group.result.completions)
                         latencies.append(time.perf_counter() - group.t_submit)
                         if not self.scorer.check_group(group.result, self.counts):
                             self.sched.finished(gid, None)
                             continue
-                        self._held.append((gid, [self.decode(c.response_ids) for c in group.result.completions]))
+                        self._held.append((gid, [c.final_text if c.final_text is not None else
+                                                 self.decode(c.response_ids) for c in group.result.completions]))
                     elif ref in scoring:
                         gid = scoring.pop(ref)
                         rewards, counts = ray.get(ref)
@@ -352,11 +385,17 @@ class Pipeline:
         row = next(self.source)
         gid = self._next_gid
         self._next_gid += 1
+        sampling = self.sampling_for(row.row) if self.sampling_for else self.sampling
+        if self.agent:
+            if "messages" not in row.row:
+                raise ValueError(f"agent task row {row.index} has no 'messages' (keys: {sorted(row.row)})")
+            self.sched.submitted(Group(gid, row.row, (), -1, engine_version, time.perf_counter()))
+            runner = self.runners[gid % len(self.runners)]
+            return runner.run_group.remote(gid, row.row["messages"], sampling), gid
         e = min(range(len(engines)), key=lambda i: (load[i], (i - self._rr) % len(engines)))
         self._rr += 1
         load[e] += 1
         prompt = self.encode(row.prompt)
-        sampling = self.sampling_for(row.row) if self.sampling_for else self.sampling
         self.sched.submitted(Group(gid, row.row, prompt, e, engine_version, time.perf_counter()))
         return engines[e].generate.remote([GenRequest(f"g{gid}", prompt, sampling)]), gid
 
@@ -381,7 +420,7 @@ class Pipeline:
         samples = [s for g in record.groups for s in g.samples]
         rewards = [r for g in record.groups for r in g.rewards]
         stale = [record.version_trained - s.policy_version for s in samples]
-        tokens = sum(len(s.response_ids) for s in samples)
+        tokens = sum(s.num_trained_tokens for s in samples)
         self.trained_tokens += tokens
         self.trained_samples += len(samples)
         counts = self.counts + self.sched.counts
@@ -417,6 +456,15 @@ class Pipeline:
             "timing/step_s": step_s,
             **{f"train/{k}": v for k, v in record.train.items()},
         }
+        comps = [c for g in record.groups if g.result is not None for c in g.result.completions]
+        if self.agent and comps:
+            n = len(comps)
+            info = Counter()
+            for c in comps:
+                info.update(c.info)
+            rec.update({"agent/turns_mean": info["turns"] / n, "agent/tool_calls_mean": info["tool_calls"] / n,
+                        "agent/tool_errors": info["tool_errors"], "agent/malformed_tool_calls": info["malformed_tool_calls"],
+                        **{f"agent/{k}_frac": v / n for k, v in info.items() if k.startswith("finish_")}})
         return rec
 
 

@@ -58,7 +58,8 @@ class Scorer:
                 counts["dropped_empty_response"] += 1
                 continue
             version = min(c.token_versions) if c.token_versions else res.min_version
-            out.append(TrainSample(list(res.prompt_ids), list(c.response_ids), list(c.logprobs), a, r, version))
+            out.append(TrainSample(list(res.prompt_ids), list(c.response_ids), list(c.logprobs), a, r, version,
+                                   list(c.loss_mask) if c.loss_mask is not None else None))
         return out
 
     def check_group(self, res: GenResult, counts: Counter) -> bool:

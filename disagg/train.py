@@ -30,6 +30,10 @@ def make_source(cfg: Config) -> PromptSource:
         from disagg.tasks.files import FilePromptSource
 
         return FilePromptSource(list(cfg.data.train_files), cfg.data.prompt_key, cfg.data.seed, cfg.data.shuffle)
+    if cfg.data.task == "calculator":
+        from disagg.tasks.calculator import CalculatorSource
+
+        return CalculatorSource(cfg.data.num_digits, seed=cfg.data.seed)
     if cfg.data.task == "code":
         from disagg.tasks.code import CodeTaskSource
 
@@ -51,8 +55,14 @@ def make_pipeline(cfg: Config, job: Job, tokenizer, **kw) -> Pipeline:
     """The pipeline of ``cfg``'s task and reward on ``job`` (keyword arguments go to ``Pipeline``)."""
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
     scorer = Scorer(get_reward(cfg.reward.name, cfg.reward.path), decode, cfg.algorithm, cfg.reward.latency_s)
+    kw.setdefault("agent", is_agent_task(cfg))
     return Pipeline(cfg, job, make_source(cfg), lambda text: encode_prompt(tokenizer, text, cfg.data.add_bos),
                     decode, scorer, **kw)
+
+
+def is_agent_task(cfg: Config) -> bool:
+    """Tasks whose samples are multi-turn tool-calling trajectories."""
+    return not cfg.data.train_files and cfg.data.task == "calculator"
 
 
 def run(cfg: Config, run_dir: Path) -> Path:

@@ -5,6 +5,13 @@ random-init Qwen2 (vLLM's CPU attention needs head_dim 32/64/128) plus a
 character-level tokenizer saved with ``save_pretrained`` so that vLLM and HF load
 the same directory. The warm start (``warmstart.py``) turns this into the
 "pretrained checkpoint" that RL starts from.
+
+The tokenizer also speaks the Qwen/Hermes chat and tool-calling format
+(``<|im_start|>``/``<|im_end|>`` turns, ``<tool_call>`` / ``<tool_response>``
+tags, one token each) with a compact chat template, so vLLM's OpenAI chat
+endpoint and its ``hermes`` tool parser work on the tiny model as on a real
+Qwen2 checkpoint. Token ids of the original characters never change (new ones
+are appended), so checkpoints of the reverse task keep their meaning.
 """
 
 from __future__ import annotations
@@ -16,22 +23,70 @@ from disagg.config import TinyModelConfig
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]
 CHARS = string.digits + string.ascii_lowercase + " +-*=:?.,()#"
+# Appended after CHARS (ids of the above unchanged): the rest of printable ASCII and newline.
+EXTRA_CHARS = "".join(c for c in string.ascii_uppercase + string.punctuation + "\n" if c not in CHARS)
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+TOOL_TAGS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+_BYTE_LEVEL = {" ": "\u0120", "\n": "\u010a"}  # GPT-2 byte-level symbols; other printable ASCII maps to itself
+
+# Qwen2.5's turn format with a one-line tool list (the model is too small for JSON schemas
+# in its prompt). Tool responses go in a user turn, each in <tool_response> tags; an
+# assistant's tool calls are <tool_call>{"name": ..., "arguments": {...}}</tool_call>,
+# what vLLM's hermes parser reads.
+CHAT_TEMPLATE = (
+    "{% if tools or messages[0].role == 'system' %}"
+    "<|im_start|>system\n"
+    "{% if messages[0].role == 'system' %}{{ messages[0].content }}{% if tools %}\n{% endif %}{% endif %}"
+    "{% if tools %}tools:"
+    "{% for t in tools %}{% set f = t.function if t.function is defined else t %}"
+    " {{ f.name }}({{ (f.parameters.properties if f.parameters is defined and f.parameters.properties is defined"
+    " else {}) | list | join(',') }})"
+    "{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endif %}"
+    "{% for m in messages %}"
+    "{% if m.role == 'user' or (m.role == 'system' and not loop.first) %}"
+    "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+    "{% elif m.role == 'assistant' %}"
+    "<|im_start|>assistant\n{{ m.content or '' }}"
+    "{% for tc in (m.tool_calls or []) %}{% set f = tc.function if tc.function is defined else tc %}"
+    "<tool_call>{\"name\": \"{{ f.name }}\", \"arguments\": "
+    "{{ f.arguments if f.arguments is string else f.arguments | tojson }}}</tool_call>"
+    "{% endfor %}<|im_end|>\n"
+    "{% elif m.role == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1].role != 'tool' %}<|im_start|>user\n{% endif %}"
+    "<tool_response>{{ m.content }}</tool_response>"
+    "{% if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>\n{% endif %}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 def vocab() -> list[str]:
-    return SPECIAL_TOKENS + list(CHARS)
+    return SPECIAL_TOKENS + list(CHARS) + list(EXTRA_CHARS) + [IM_START, IM_END] + TOOL_TAGS
 
 
 def build_tokenizer():
     """A char-level ``PreTrainedTokenizerFast``: one token per character."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    toks = vocab()
-    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(toks)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(
+    from tokenizers import AddedToken
+
+    # Byte-level symbols and a BPE model without merges: one token per character, and exactly
+    # what transformers' Qwen2Tokenizer rebuilds from tokenizer.json (AutoTokenizer and vLLM pick
+    # that class for a qwen2 model); a plain char vocabulary would lose spaces and newlines there.
+    toks = [_BYTE_LEVEL.get(t, t) for t in vocab()]
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(toks)}, merges=[], unk_token="<unk>",
+                               fuse_unk=False, byte_fallback=False))
+    # Turn markers are special (dropped by skip_special_tokens); tool tags are plain added
+    # tokens so they survive decoding and the tool parser sees them.
+    tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in [IM_START, IM_END]])
+    tok.add_tokens([AddedToken(t, normalized=False, special=False) for t in TOOL_TAGS])
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    out = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         pad_token="<pad>",
         bos_token="<s>",
@@ -39,6 +94,8 @@ def build_tokenizer():
         unk_token="<unk>",
         clean_up_tokenization_spaces=False,
     )
+    out.chat_template = CHAT_TEMPLATE
+    return out
 
 
 def build_model(spec: TinyModelConfig, seed: int):
@@ -66,7 +123,8 @@ def build_model(spec: TinyModelConfig, seed: int):
     model = Qwen2ForCausalLM(cfg)
     model.generation_config.pad_token_id = 0
     model.generation_config.bos_token_id = 1
-    model.generation_config.eos_token_id = 2
+    # </s> ends a plain completion, <|im_end|> an assistant turn.
+    model.generation_config.eos_token_id = [2, vocab().index(IM_END)]
     return model
 
 

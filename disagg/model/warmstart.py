@@ -20,7 +20,7 @@ from disagg.config import Config
 
 log = logging.getLogger("disagg.model")
 
-_CACHE_FORMAT = 1
+_CACHE_FORMAT = 2  # 2: chat/tool tokens in the vocabulary
 
 
 def _cache_key(cfg: Config) -> str:
@@ -31,6 +31,7 @@ def _cache_key(cfg: Config) -> str:
             "warmstart": cfg.model.warmstart.__dict__,
             "seed": cfg.model.seed,
             "num_digits": cfg.data.num_digits,
+            "task": cfg.data.task,
         },
         sort_keys=True,
     )
@@ -42,7 +43,7 @@ def prepare_model(cfg: Config) -> Path:
     if cfg.model.path is not None:
         return Path(os.path.expanduser(cfg.model.path)).resolve()
     root = Path(os.path.expanduser(cfg.model.cache_dir)) / "models"
-    path = root / f"tiny-reverse-{_cache_key(cfg)}"
+    path = root / f"tiny-{cfg.data.task}-{_cache_key(cfg)}"
     if (path / "READY").exists():
         log.info("using cached warm-started tiny model %s", path)
         return path
@@ -65,25 +66,19 @@ def _build_and_warm_start(cfg: Config, out: Path) -> None:
     import torch
 
     from disagg.model.tiny import build_model, build_tokenizer, save_checkpoint
-    from disagg.tasks.reverse import ReverseDigitsSource
 
     model = build_model(cfg.model.tiny, seed=cfg.model.seed)
     tok = build_tokenizer()
     ws = cfg.model.warmstart
     if ws.steps > 0:
         torch.manual_seed(cfg.model.seed)
-        src = ReverseDigitsSource(cfg.data.num_digits, seed=cfg.model.seed)
-        pairs = src.sft_examples(ws.steps * ws.batch_size, seed=cfg.model.seed)
+        seqs = _sft_sequences(cfg, tok, ws.steps * ws.batch_size)
         opt = torch.optim.AdamW(model.parameters(), lr=ws.lr)
         model.train()
         for step in range(ws.steps):
-            chunk = pairs[step * ws.batch_size : (step + 1) * ws.batch_size]
-            ids, labels = [], []
-            for prompt, completion in chunk:
-                p = [tok.bos_token_id] + tok.encode(prompt, add_special_tokens=False)
-                c = tok.encode(completion, add_special_tokens=False) + [tok.eos_token_id]
-                ids.append(p + c)
-                labels.append([-100] * len(p) + c)
+            chunk = seqs[step * ws.batch_size : (step + 1) * ws.batch_size]
+            ids = [x for x, _ in chunk]
+            labels = [[t if m else -100 for t, m in zip(x, mask)] for x, mask in chunk]
             n = max(len(x) for x in ids)
             input_ids = torch.tensor([x + [tok.pad_token_id] * (n - len(x)) for x in ids])
             lab = torch.tensor([y + [-100] * (n - len(y)) for y in labels])
@@ -95,3 +90,24 @@ def _build_and_warm_start(cfg: Config, out: Path) -> None:
         log.info("warm start: %d steps, final loss %.3f", ws.steps, loss.item())
     model.eval()
     save_checkpoint(model, tok, out)
+
+
+def _sft_sequences(cfg: Config, tok, n: int) -> list[tuple[list[int], list[int]]]:
+    """``n`` (token ids, loss mask) demonstrations of the task's format."""
+    if cfg.data.task == "calculator":
+        from disagg.agent.format import ChatFormat
+        from disagg.agent.tools import ToolRegistry
+        from disagg.tasks.calculator import TOOLS, CalculatorSource
+
+        tools = ToolRegistry.from_config(TOOLS).openai_tools()
+        return CalculatorSource(cfg.data.num_digits, seed=cfg.model.seed).sft_sequences(
+            n, cfg.model.seed, ChatFormat(tok), tools)
+    from disagg.tasks.reverse import ReverseDigitsSource
+
+    out = []
+    for prompt, completion in ReverseDigitsSource(cfg.data.num_digits, seed=cfg.model.seed).sft_examples(
+            n, seed=cfg.model.seed):
+        p = [tok.bos_token_id] + tok.encode(prompt, add_special_tokens=False)
+        c = tok.encode(completion, add_special_tokens=False) + [tok.eos_token_id]
+        out.append((p + c, [0] * len(p) + [1] * len(c)))
+    return out

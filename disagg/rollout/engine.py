@@ -49,7 +49,10 @@ class EngineActor:
             from disagg.control.client import CoordinatorClient
 
             self._coord = CoordinatorClient(coordinator, timeout_s=rpc_timeout_s)
-        self.stats = {"requests": 0, "dropped_prompt_too_long": 0, "tokens_generated": 0}
+        self.stats = {"requests": 0, "dropped_prompt_too_long": 0, "tokens_generated": 0,
+                      "http_requests": 0, "http_inflight": 0, "http_waiting": 0}
+        self.address = ""  # the OpenAI API's base address (http://host:port), once serving
+        self._http = None  # (uvicorn server, its task)
 
     # ---- lifecycle -------------------------------------------------------------------
     async def start(self) -> dict[str, Any]:
@@ -75,6 +78,9 @@ class EngineActor:
             disable_log_stats=True,
         )
         self._engine = AsyncLLM.from_engine_args(args)
+        node = ray.util.get_node_ip_address()
+        if self.cfg.openai_api:
+            await self._start_http(node)
         start_s = time.perf_counter() - t0
         if self.cfg.load_format == "auto":
             self.version = 1
@@ -82,17 +88,39 @@ class EngineActor:
             self._report_state("READY")
         else:
             self._report_state("WAITING_FOR_WEIGHTS")
-        node = ray.util.get_node_ip_address()
         if self._coord is not None:
             from disagg.control.types import EngineInfo, EngineState
 
             state = EngineState.READY if self._weights_loaded.is_set() else EngineState.WAITING_FOR_WEIGHTS
-            self._coord.register_engine(EngineInfo(self.engine_id, node, os.getpid(), "", state))
+            self._coord.register_engine(EngineInfo(self.engine_id, node, os.getpid(), self.address, state))
             self._registered = True
         log.info("engine started in %.1fs (load_format=%s)", start_s, self.cfg.load_format)
-        return {"engine_id": self.engine_id, "start_s": start_s, "node_ip": node, "pid": os.getpid()}
+        return {"engine_id": self.engine_id, "start_s": start_s, "node_ip": node, "pid": os.getpid(),
+                "address": self.address}
+
+    async def _start_http(self, node_ip: str) -> None:
+        """Serve vLLM's OpenAI API from this actor, behind the weights-loaded gate."""
+        from disagg.rollout.openai_server import start_openai_server
+
+        host = node_ip if self.cfg.api_host == "node" else self.cfg.api_host
+        port = self.cfg.api_port_base + self.engine_id if self.cfg.api_port_base else 0
+        server, task, self.address = await start_openai_server(
+            self._engine, model_path=self.model_path, served_model_name=self.cfg.served_model_name, host=host,
+            port=port, tool_call_parser=self.cfg.tool_call_parser, wait_weights=self._wait_weights,
+            version=lambda: self.version, counters=self.stats)
+        self._http = (server, task)
+
+    async def _wait_weights(self, what: str) -> None:
+        """Block until real weights are loaded (the guard against serving dummy weights)."""
+        await await_logged(self._weights_loaded.wait(), what=what, timeout_s=self.cfg.weights_wait_timeout_s,
+                           log=log, interval_s=self.cfg.wait_log_interval_s)
 
     async def shutdown(self) -> None:
+        if self._http is not None:
+            server, task = self._http
+            server.should_exit = True
+            await asyncio.wait({task}, timeout=5.0)
+            self._http = None
         if self._engine is not None:
             self._engine.shutdown()
             self._engine = None
@@ -189,10 +217,7 @@ class EngineActor:
             log.warning("dropping request %s: %s", req.request_id, detail)
             return GenResult(req.request_id, self.engine_id, list(req.prompt_ids), dropped="prompt_too_long", detail=detail)
         # Guard against dummy weights: nothing is submitted to vLLM before a sync lands.
-        await await_logged(
-            self._weights_loaded.wait(), what=f"first weights (request {req.request_id})",
-            timeout_s=self.cfg.weights_wait_timeout_s, log=log, interval_s=self.cfg.wait_log_interval_s,
-        )
+        await self._wait_weights(f"first weights (request {req.request_id})")
         min_version = self.version
         s = req.sampling
         params = SamplingParams(
@@ -240,4 +265,8 @@ class EngineActor:
         return ray.get_runtime_context().get_placement_group_id()
 
     async def get_stats(self) -> dict[str, Any]:
-        return dict(self.stats, policy_version=self.version)
+        return dict(self.stats, policy_version=self.version, address=self.address)
+
+    async def get_address(self) -> str:
+        """The OpenAI API base address (``http://host:port``; append ``/v1``), empty if not serving."""
+        return self.address

@@ -9,6 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# Response headers of the engines' OpenAI API: the policy version served when the request
+# passed the weights gate and when the response started (every token's version is in between).
+VERSION_MIN_HEADER = "x-disagg-policy-version-min"
+VERSION_MAX_HEADER = "x-disagg-policy-version-max"
+
 
 @dataclass(frozen=True)
 class SamplingSpec:
@@ -42,6 +47,11 @@ class Completion:
     logprobs: list[float]
     finish_reason: str
     token_versions: list[int] = field(default_factory=list)
+    # Multi-turn trajectories (agent tasks): 1 for tokens the engine generated, 0 for tool
+    # responses (their log-prob entries are placeholders); None = every token generated.
+    loss_mask: list[int] | None = None
+    final_text: str | None = None  # the text the reward reads (None: decode response_ids)
+    info: dict = field(default_factory=dict)  # per-trajectory counts (turns, tool_calls, finish_*)
 
     @property
     def min_version(self) -> int:

@@ -49,6 +49,7 @@ def get_reward(name: str | None, path: str | None) -> RewardFn:
         return fn
     import disagg.tasks.reverse  # noqa: F401  (registers the built-in rewards)
     import disagg.tasks.code  # noqa: F401
+    import disagg.tasks.calculator  # noqa: F401
 
     if name not in _REWARDS:
         raise ConfigError(f"reward.name={name!r} is not registered; known: {sorted(_REWARDS)}")

@@ -102,6 +102,8 @@ class SandboxResult:
     pgid: int | None = None
     """Session and process group of the run's supervisor; every process of the run is in this
     session unless it called setsid(). None when nothing ran."""
+    stdout: str = ""
+    """The last ``max_output_bytes`` of the answer's stdout; only ``run_snippet`` captures it."""
 
 
 def run_python(code: str, tests: str, *, timeout_s: float = 5.0, memory_bytes: int = 256 << 20,
@@ -111,6 +113,20 @@ def run_python(code: str, tests: str, *, timeout_s: float = 5.0, memory_bytes: i
     ``use_namespaces=False`` skips the network/PID namespaces even where permitted
     (only the prelude and the process-group kill apply).
     """
+    return _run_sandboxed(code, tests, timeout_s, memory_bytes, max_output_bytes, use_namespaces, False)
+
+
+def run_snippet(code: str, *, timeout_s: float = 5.0, memory_bytes: int = 256 << 20,
+                max_output_bytes: int = 64 << 10, use_namespaces: bool = True) -> SandboxResult:
+    """Run ``code`` alone in the same sandbox as ``run_python``, capturing the tail of its stdout.
+
+    ``reason`` is "passed" when the code ran to its end, else as for ``run_python``.
+    """
+    return _run_sandboxed(code, "", timeout_s, memory_bytes, max_output_bytes, use_namespaces, True)
+
+
+def _run_sandboxed(code: str, tests: str, timeout_s: float, memory_bytes: int, max_output_bytes: int,
+                   use_namespaces: bool, capture_stdout: bool) -> SandboxResult:
     if not timeout_s > 0:
         raise ValueError(f"timeout_s={timeout_s!r} must be > 0")
     if memory_bytes < 32 << 20:
@@ -129,10 +145,11 @@ def run_python(code: str, tests: str, *, timeout_s: float = 5.0, memory_bytes: i
         for name, text in (("answer.py", code), ("tests.py", tests), ("_runner.py", _RUNNER)):
             with open(os.path.join(tmp, name), "w", encoding="utf-8", errors="surrogatepass") as f:
                 f.write(text)
-        run = _start(tmp, timeout_s, memory_bytes, max_output_bytes, use_namespaces)
+        run = _start(tmp, timeout_s, memory_bytes, max_output_bytes, use_namespaces, capture_stdout)
         reason, detail, stderr = _finish(run, timeout_s)
+    stdout = run.stdout_tail.decode("utf-8", "replace") if run.stdout_tail is not None else ""
     return SandboxResult(reason == "passed", reason, detail, time.monotonic() - t0, run.network_isolation,
-                         run.process_isolation, stderr, run.proc.pid)
+                         run.process_isolation, stderr, run.proc.pid, stdout)
 
 
 @dataclass
@@ -144,9 +161,12 @@ class _Run:
     reader: threading.Thread
     network_isolation: Literal["netns", "prelude"]
     process_isolation: Literal["pidns", "group"]
+    stdout_tail: bytearray | None = None
+    stdout_reader: threading.Thread | None = None
 
 
-def _start(tmp: str, timeout_s: float, memory_bytes: int, max_output_bytes: int, use_namespaces: bool) -> _Run:
+def _start(tmp: str, timeout_s: float, memory_bytes: int, max_output_bytes: int, use_namespaces: bool,
+           capture_stdout: bool) -> _Run:
     nonce = secrets.token_hex(16).encode()
     nonce_r, nonce_w = os.pipe()
     os.write(nonce_w, nonce)
@@ -165,10 +185,12 @@ def _start(tmp: str, timeout_s: float, memory_bytes: int, max_output_bytes: int,
         limits.append((resource.RLIMIT_NPROC, (nproc, nproc)))
     limits.append((resource.RLIMIT_AS, (memory_bytes, memory_bytes)))  # last: the forked parent image may exceed it
     env = {"PATH": "/usr/bin:/bin", "HOME": tmp, "TMPDIR": tmp, "LANG": "C.UTF-8"}
-    argv = [sys.executable, "-I", "-S", "-B", "_runner.py", str(nonce_r), str(status_w), repr(float(timeout_s)),
-            str(_PID_MAX_IN_NS if _PER_NAMESPACE_PID_MAX else 0)]
+    # -u when stdout is captured: what was printed before a timeout kill or os._exit still arrives
+    argv = [sys.executable, "-I", "-S", "-B", *(["-u"] if capture_stdout else []), "_runner.py", str(nonce_r),
+            str(status_w), repr(float(timeout_s)), str(_PID_MAX_IN_NS if _PER_NAMESPACE_PID_MAX else 0)]
     try:
-        proc = subprocess.Popen(argv, cwd=tmp, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+        proc = subprocess.Popen(argv, cwd=tmp, env=env, stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE if capture_stdout else subprocess.DEVNULL,
                                 stderr=subprocess.PIPE, start_new_session=True, pass_fds=(nonce_r, status_w),
                                 preexec_fn=partial(_preexec, limits, use_namespaces, report_w))
     except BaseException:
@@ -185,8 +207,15 @@ def _start(tmp: str, timeout_s: float, memory_bytes: int, max_output_bytes: int,
     reader = threading.Thread(target=_drain, args=(proc.stderr.fileno(), tail, max_output_bytes), daemon=True,
                               name=f"sandbox-stderr-{proc.pid}")
     reader.start()
-    return _Run(proc, nonce, status_r, tail, reader, "netns" if report[:1] == b"n" else "prelude",
-                "pidns" if report[1:2] == b"y" else "group")
+    run = _Run(proc, nonce, status_r, tail, reader, "netns" if report[:1] == b"n" else "prelude",
+               "pidns" if report[1:2] == b"y" else "group")
+    if capture_stdout:
+        run.stdout_tail = bytearray()
+        run.stdout_reader = threading.Thread(target=_drain, args=(proc.stdout.fileno(), run.stdout_tail,
+                                                                  max_output_bytes),
+                                             daemon=True, name=f"sandbox-stdout-{proc.pid}")
+        run.stdout_reader.start()
+    return run
 
 
 def _preexec(limits: list[tuple[int, tuple[int, int]]], use_namespaces: bool, report_fd: int) -> None:
@@ -218,6 +247,9 @@ def _finish(run: _Run, timeout_s: float) -> tuple[Reason, str, str]:
     _wait_group_gone(proc.pid)
     run.reader.join(timeout=1.0)
     proc.stderr.close()
+    if run.stdout_reader is not None:
+        run.stdout_reader.join(timeout=1.0)
+        proc.stdout.close()
     status = _read_all(run.status_fd)
     os.close(run.status_fd)
 

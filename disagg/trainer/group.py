@@ -65,7 +65,7 @@ class TrainerGroup:
         """Start a train step on every worker (returns the refs; ``summarise`` their results)."""
         n, m = len(self.workers), self.cfg.algorithm.num_minibatches
         shards = [samples[i::n] for i in range(n)]
-        tokens = [sum(len(s.response_ids) for sh in shards for s in sh[j::m]) for j in range(m)]
+        tokens = [sum(s.num_trained_tokens for sh in shards for s in sh[j::m]) for j in range(m)]
         return [w.train_step.remote(sh, tokens) for w, sh in zip(self.workers, shards)]
 
     @staticmethod

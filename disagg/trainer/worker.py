@@ -116,7 +116,10 @@ class TrainerWorker:
         for i, s in enumerate(samples):
             p, r = len(s.prompt_ids), len(s.response_ids)
             out[i, :r] = lp[i, p - 1 : p - 1 + r]
-            mask[i, :r] = 1
+            if s.loss_mask is None:
+                mask[i, :r] = 1
+            else:  # tool responses in a multi-turn trajectory: context, not trained on
+                mask[i, :r] = torch.tensor(s.loss_mask, dtype=mask.dtype)
         return out, mask
 
     def train_step(self, samples: list[TrainSample], minibatch_tokens: list[int]) -> dict[str, float]:

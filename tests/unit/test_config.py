@@ -26,6 +26,22 @@ def test_every_shipped_yaml_composes_and_validates(name):
     assert isinstance(cfg, Config)
 
 
+@pytest.mark.parametrize("task", sorted(p.stem for p in (CONFIGS / "task").glob("*.yaml")))
+def test_every_task_composes_and_validates(task):
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        dc = compose(config_name="train", overrides=[f"task={task}"])
+    cfg = load_config(OmegaConf.to_container(dc, resolve=False))
+    assert cfg.data.task == task and cfg.reward.name == task
+
+
+def test_calculator_task_needs_its_reward():
+    with pytest.raises(ConfigError, match="reward.name=calculator"):
+        load_config({"data": {"task": "calculator"}, "rollout": {"max_model_len": 256}})
+
+
 def test_defaults_match_the_shipped_default_yaml():
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf

@@ -1,0 +1,1 @@
+"""The multi-turn tool-calling agent: tools the policy calls mid-rollout."""

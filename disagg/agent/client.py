@@ -1,0 +1,75 @@
+"""Token-in, token-out calls to the engines' OpenAI ``/v1/completions``, routed by ``ChatRouter``.
+
+The prompt goes as token ids; the answer comes back as the engine's token ids
+(``return_token_ids``) with one behaviour log-prob per token and the policy
+versions the engine served (``x-disagg-policy-version-min/-max`` headers).
+The real ``openai`` client is used with no client-side timeout and no retries
+unless configured: a retry would re-submit a request id that may still be
+running, and a long generation must not be cut off by a default 600 s timeout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from disagg.agent.router import ChatRouter
+from disagg.errors import RolloutError
+from disagg.rollout.types import VERSION_MAX_HEADER, VERSION_MIN_HEADER, SamplingSpec
+
+
+
+@dataclass
+class TurnOutput:
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    version_min: int
+    version_max: int
+    engine_id: int
+
+
+class RoutedCompletions:
+    """One ``AsyncOpenAI`` client per engine; each call picks its engine with the router."""
+
+    def __init__(self, addresses: dict[int, str], model: str, *, timeout_s: float | None = None,
+                 max_retries: int = 0, router: ChatRouter | None = None) -> None:
+        from openai import AsyncOpenAI
+
+        self.model = model
+        self.router = router or ChatRouter(sorted(addresses))
+        self.clients = {e: AsyncOpenAI(base_url=f"{a}/v1", api_key="disagg", timeout=timeout_s,
+                                       max_retries=max_retries) for e, a in addresses.items()}
+        for e in addresses:
+            if e not in self.router.health:
+                self.router.add_engine(e)
+
+    async def complete(self, session_id: str | None, prompt_ids: list[int], max_tokens: int,
+                       sampling: SamplingSpec, stop_token_ids: list[int]) -> TurnOutput:
+        engine = self.router.acquire(session_id)
+        try:
+            raw = await self.clients[engine].completions.with_raw_response.create(
+                model=self.model, prompt=prompt_ids, max_tokens=max_tokens,
+                temperature=0.0 if sampling.greedy else sampling.temperature,
+                top_p=1.0 if sampling.greedy else sampling.top_p, logprobs=0, seed=sampling.seed,
+                extra_body={"return_token_ids": True, "stop_token_ids": stop_token_ids,
+                            "skip_special_tokens": False, "ignore_eos": sampling.ignore_eos},
+                extra_headers={"X-Session-ID": session_id} if session_id else None,
+            )
+        finally:
+            self.router.release(engine)
+        resp = raw.parse()
+        choice = resp.choices[0]
+        ids = list(getattr(choice, "token_ids", None) or [])
+        lps = list(choice.logprobs.token_logprobs) if choice.logprobs is not None else []
+        if len(lps) != len(ids):
+            raise RolloutError(f"engine {engine}: {len(ids)} tokens but {len(lps)} log-probs in the response")
+        try:
+            v_min, v_max = int(raw.headers[VERSION_MIN_HEADER]), int(raw.headers[VERSION_MAX_HEADER])
+        except (KeyError, ValueError) as e:
+            raise RolloutError(f"engine {engine}: response without disagg's policy-version headers "
+                               f"({VERSION_MIN_HEADER}); is it a disagg engine?") from e
+        return TurnOutput(ids, [float(x) for x in lps], str(choice.finish_reason), v_min, v_max, engine)
+
+    async def close(self) -> None:
+        for c in self.clients.values():
+            await c.close()
