@@ -16,7 +16,6 @@ This module must not import torch, vLLM or Ray: it runs inside rollout workers.
 from __future__ import annotations
 
 import ast
-import importlib
 import inspect
 import json
 import logging
@@ -29,6 +28,7 @@ from functools import partial
 from typing import Any, Callable, Iterable
 
 from disagg.errors import ConfigError
+from disagg.tasks.base import import_callable
 from disagg.tasks.sandbox import run_snippet
 
 log = logging.getLogger("disagg.agent")
@@ -158,14 +158,7 @@ class ToolRegistry:
 
 
 def _user_tool(ref: str) -> ToolSpec:
-    module_name, _, fn_name = ref.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ConfigError(f"agent.tools: cannot import the module of {ref!r}: {e}") from e
-    fn = getattr(module, fn_name, None)
-    if not callable(fn):
-        raise ConfigError(f"agent.tools: {ref!r}: module {module_name} has no function {fn_name!r}")
+    fn = import_callable(ref, "agent.tools")
     try:
         return tool_from_function(fn)
     except ValueError as e:

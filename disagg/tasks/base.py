@@ -33,20 +33,25 @@ def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
     return deco
 
 
+def import_callable(ref: str, key: str) -> Callable:
+    """The function a ``module:function`` config value names; a ConfigError quoting ``key=ref`` if not."""
+    mod_name, sep, fn_name = ref.partition(":")
+    if not sep or not mod_name or not fn_name:
+        raise ConfigError(f"{key}={ref!r}: expected 'module:function'")
+    try:
+        mod = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise ConfigError(f"{key}={ref!r}: cannot import module {mod_name!r}: {e}") from e
+    fn = getattr(mod, fn_name, None)
+    if not callable(fn):
+        raise ConfigError(f"{key}={ref!r}: {mod_name!r} has no callable {fn_name!r}")
+    return fn
+
+
 def get_reward(name: str | None, path: str | None) -> RewardFn:
     """Resolve ``reward.name`` (registered) or ``reward.path`` (``module:function``)."""
     if path:
-        mod_name, sep, fn_name = path.partition(":")
-        if not sep or not mod_name or not fn_name:
-            raise ConfigError(f"reward.path={path!r}: expected 'module:function'")
-        try:
-            mod = importlib.import_module(mod_name)
-        except ImportError as e:
-            raise ConfigError(f"reward.path={path!r}: cannot import module {mod_name!r}: {e}") from e
-        fn = getattr(mod, fn_name, None)
-        if not callable(fn):
-            raise ConfigError(f"reward.path={path!r}: {mod_name!r} has no callable {fn_name!r}")
-        return fn
+        return import_callable(path, "reward.path")
     import disagg.tasks.reverse  # noqa: F401  (registers the built-in rewards)
     import disagg.tasks.code  # noqa: F401
     import disagg.tasks.calculator  # noqa: F401
