@@ -28,6 +28,27 @@ class Pools:
     rollout_bundle: dict[str, float]
 
 
+def pin_process(cores: tuple[int, ...] | None, what: str) -> None:
+    """Pin every thread of this process (and the threads it starts later) to ``cores``; None: no-op.
+
+    ``os.sched_setaffinity(0, ...)`` moves only the calling thread; Ray workers already run
+    several threads, so each task of the process is moved.
+    """
+    if cores is None:
+        return
+    wanted = set(cores)
+    moved = 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), wanted)
+            moved += 1
+        except (ProcessLookupError, PermissionError):  # a thread that just exited
+            continue
+        except OSError as e:
+            raise ConfigError(f"{what}: cannot pin to cores {sorted(wanted)}: {e}") from e
+    log.info("%s pinned to cores %s (%d threads)", what, sorted(wanted), moved)
+
+
 def bundles(cfg: Config, device: str) -> tuple[list[dict[str, float]], list[dict[str, float]]]:
     """Bundle lists of the trainer and rollout pools (pure)."""
     if device == "cuda":

@@ -40,6 +40,9 @@ class TrainerConfig:
     """Optimizer steps (= policy versions produced) in the run."""
     lr: float = 5e-4
     """AdamW learning rate."""
+    warmup_steps: int = 0
+    """Linear learning-rate warm-up over the first optimizer steps (then constant): Adam's first
+    steps move every weight by ~lr whatever its gradient, which can wreck a sharp warm-started policy."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     betas: tuple[float, float] = (0.9, 0.999)
@@ -54,6 +57,9 @@ class TrainerConfig:
     """CPUs in each trainer bundle."""
     torch_threads: int = 1
     """torch intra-op threads in each trainer worker on CPU."""
+    cpu_affinity: tuple[int, ...] | None = None
+    """CPU cores the trainer workers' threads are pinned to (null = the OS decides). With
+    ``rollout.cpu_affinity`` it keeps the two pools off each other's cores on one machine."""
     step_delay_s: float = 0.0
     """Sleep this long after each optimizer step: simulates a slower trainer (tests, benchmarks)."""
 
@@ -86,6 +92,8 @@ class RolloutConfig:
     """Disable CUDA graphs / compilation (fast start on CPU)."""
     cpus_per_engine: int = 1
     """CPUs in each rollout bundle."""
+    cpu_affinity: tuple[int, ...] | None = None
+    """CPU cores the engines' threads are pinned to (null = the OS decides); see trainer.cpu_affinity."""
     start_timeout_s: float = 300.0
     """Time for an engine to start before it is declared dead."""
     weights_wait_timeout_s: float = 600.0
@@ -142,6 +150,12 @@ class ControlConfig:
     """Coordinator port; 0 picks a free one (written to <run_dir>/coordinator.addr)."""
     rpc_timeout_s: float = 30.0
     """Timeout of every control-plane call."""
+    tls_cert: str | None = None
+    """PEM certificate: the coordinator speaks TLS (with ``tls_key``); null = plain gRPC."""
+    tls_key: str | None = None
+    """PEM private key of ``tls_cert``."""
+    tls_ca: str | None = None
+    """PEM the clients verify the server against; null = ``tls_cert`` itself (self-signed)."""
 
 
 @dataclass(frozen=True)
@@ -190,6 +204,10 @@ class WarmStartConfig:
     """Supervised steps on the task format before RL (0 = none); cached like a checkpoint."""
     batch_size: int = 64
     lr: float = 1e-3
+    warmup_steps: int = 0
+    """Linear learning-rate warm-up over the first steps (then constant)."""
+    grad_clip: float = 1.0
+    """Gradient-norm clip (0 = none); with warm-up it lets copying emerge (task=calculator)."""
 
 
 @dataclass(frozen=True)
@@ -427,6 +445,23 @@ def validate(cfg: Config, mode: str = "train") -> Config:
         r.max_tokens < r.max_model_len,
         f"rollout.max_tokens={r.max_tokens} must be < rollout.max_model_len={r.max_model_len}",
     )
+    _check(t.warmup_steps >= 0, f"trainer.warmup_steps={t.warmup_steps}: must be >= 0")
+    n_cpu = os.cpu_count() or 1
+    for key, cores in (("trainer.cpu_affinity", t.cpu_affinity), ("rollout.cpu_affinity", r.cpu_affinity)):
+        _check(cores is None or (len(cores) > 0 and all(0 <= c < n_cpu for c in cores)),
+               f"{key}={list(cores) if cores is not None else None}: cores must be a non-empty list of ids in "
+               f"[0, {n_cpu - 1}] (this machine has {n_cpu})")
+    ws = cfg.model.warmstart
+    for key, v in [("model.warmstart.steps", ws.steps), ("model.warmstart.warmup_steps", ws.warmup_steps),
+                   ("model.warmstart.grad_clip", ws.grad_clip)]:
+        _check(v >= 0, f"{key}={v}: must be >= 0")
+    _check(ws.batch_size >= 1, f"model.warmstart.batch_size={ws.batch_size}: must be >= 1")
+    _check(ws.lr > 0, f"model.warmstart.lr={ws.lr}: must be > 0")
+    c = cfg.control
+    _check((c.tls_cert is None) == (c.tls_key is None),
+           f"control.tls_cert={c.tls_cert!r}, control.tls_key={c.tls_key!r}: TLS needs both (or neither)")
+    for key, v in (("control.tls_cert", c.tls_cert), ("control.tls_key", c.tls_key), ("control.tls_ca", c.tls_ca)):
+        _check(v is None or os.path.isfile(os.path.expanduser(v)), f"{key}={v!r}: no such file")
     _check(0 <= cfg.control.port < 65536, f"control.port={cfg.control.port}: must be in [0, 65535]")
     if cfg.model.path is None:
         tiny = cfg.model.tiny

@@ -42,6 +42,12 @@ class PendingSync:
     policy_version: int
     t0: float
     refs: list  # trainer ranks' pushes, then every engine's receive
+    num_trainer_refs: int = 0
+
+    @property
+    def trainer_refs(self) -> list:
+        """The trainer ranks' pushes: once done, the trainer may change its weights again."""
+        return self.refs[: self.num_trainer_refs]
 
 
 class Job:
@@ -67,6 +73,7 @@ class Job:
         return job
 
     def _start(self) -> None:
+        from disagg.control.auth import write_token
         from disagg.control.server import CoordinatorServer
         from disagg.control.types import PoolStatus
 
@@ -75,10 +82,12 @@ class Job:
         self.backend = resolve_backend(cfg, device)
         # Ray first: its node processes are forked, and forking with live gRPC threads is unsafe.
         connect(cfg, device)
-        self.coordinator = CoordinatorServer(cfg.control.host, cfg.control.port, cfg.algorithm.max_staleness,
-                                             str(self.run_dir)).start()
+        self.token, token_path = write_token(self.run_dir)
+        c = cfg.control
+        self.coordinator = CoordinatorServer(c.host, c.port, cfg.algorithm.max_staleness, str(self.run_dir),
+                                             token=self.token, tls_cert=c.tls_cert, tls_key=c.tls_key).start()
         (self.run_dir / "coordinator.addr").write_text(self.coordinator.address + "\n")
-        log.info("coordinator listening on %s", self.coordinator.address)
+        log.info("coordinator listening on %s (token in %s)", self.coordinator.address, token_path)
         self.pools = create_pools(cfg, device)
         state = self.coordinator.state
         for name, pg, bundle, n, workers in [
@@ -89,12 +98,20 @@ class Job:
             res = ",".join(f"{k}:{v:g}" for k, v in bundle.items())
             state.register_pool(PoolStatus(name, n, res, pg.id.hex(), workers))
         t0 = time.perf_counter()
-        self.rollout = RolloutPool(cfg, self.pools.rollout_pg, device, str(self.model_path), self.coordinator.address)
+        self.rollout = RolloutPool(cfg, self.pools.rollout_pg, device, str(self.model_path), self.control_client())
         self.trainer = TrainerGroup(cfg, self.pools.trainer_pg, device, str(self.model_path))
         self.engine_start_s = [i["start_s"] for i in self.rollout.start_info]
         log.info("pools up in %.1fs (engine start %s s)", time.perf_counter() - t0,
                  ", ".join(f"{s:.1f}" for s in self.engine_start_s))
         self.init_transport()
+
+    def control_client(self):
+        """A coordinator client for actors (pickled to them: address, token, TLS root; no channel)."""
+        from disagg.control.client import CoordinatorClient
+
+        c = self.cfg.control
+        return CoordinatorClient(self.coordinator.address, timeout_s=c.rpc_timeout_s, token=self.token,
+                                 tls_ca=(c.tls_ca or c.tls_cert) if c.tls_cert else None)
 
     def init_transport(self) -> None:
         """(Re)build the transport groups: one per sending trainer rank, each with every engine worker."""
@@ -127,10 +144,10 @@ class Job:
         """Announce ``policy_version`` and start its broadcast; engines keep generating until they
         receive (each pauses its in-flight requests only while it loads). ``finish_sync`` waits."""
         t0 = time.perf_counter()
-        self.trainer.announce(self.coordinator.address, policy_version, trainer_step)
+        self.trainer.announce(self.control_client(), policy_version, trainer_step)
         self.coordinator.state.set_trainer_step(trainer_step)
-        refs = self.trainer.push_weights_async(policy_version) + self.rollout.receive_weights_async(policy_version)
-        return PendingSync(policy_version, t0, refs)
+        pushes = self.trainer.push_weights_async(policy_version)
+        return PendingSync(policy_version, t0, pushes + self.rollout.receive_weights_async(policy_version), len(pushes))
 
     def finish_sync(self, pending: "PendingSync") -> SyncStats:
         """Wait for every party of a started sync; one TransportError naming each failed party."""
@@ -167,6 +184,28 @@ class Job:
             except Exception as e:  # noqa: BLE001 - reported, not swallowed: the caller raises
                 parts.append(f"{name}: {type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}")
         return "; ".join(parts) or f"{type(first).__name__}: {first}"
+
+    def save_checkpoint(self, step: int, policy_version: int, extra: dict | None = None) -> str:
+        """``<run_dir>/checkpoints/step_<N>``: the model in HF layout (safetensors; vLLM and HF load it),
+        tokenizer, optimizer/scheduler/RNG state, and ``state.json`` (step, version, ``extra``)."""
+        import json
+        import shutil
+
+        path = self.run_dir / "checkpoints" / f"step_{step:06d}"
+        tmp = path.with_name(path.name + ".partial")
+        shutil.rmtree(tmp, ignore_errors=True)
+        t0 = time.perf_counter()
+        self.trainer.save_checkpoint(str(tmp))
+        for f in self.model_path.iterdir():  # tokenizer files: the checkpoint is a complete model directory
+            if f.is_file() and f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "chat_template")):
+                shutil.copy2(f, tmp / f.name)
+        state = {"step": step, "policy_version": policy_version, "time_unix_s": time.time(), **(extra or {})}
+        (tmp / "state.json").write_text(json.dumps(state, indent=2, default=str))
+        shutil.rmtree(path, ignore_errors=True)
+        tmp.rename(path)  # a checkpoint directory without .partial is complete
+        log.info("checkpoint of step %d (policy version %d) written to %s in %.1fs", step, policy_version, path,
+                 time.perf_counter() - t0)
+        return str(path)
 
     def shutdown(self) -> None:
         if self.rollout is not None:

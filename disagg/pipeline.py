@@ -175,6 +175,7 @@ class StepRecord:
     version_trained: int
     groups: list[Group]
     t_batch: float  # when the batch was formed
+    limit: int = 0  # the staleness limit the batch was formed under
     t_train_done: float = 0.0
     train: dict[str, float] = field(default_factory=dict)
 
@@ -185,13 +186,18 @@ class Pipeline:
     ``sampling_for(row)`` may override the sampling of a prompt (benchmarks control
     response lengths with it); ``on_step(step, record)`` is called after each step's
     metrics are logged (tests change the staleness limit from it over gRPC).
+
+    Operator commands arrive through the coordinator's state (the gRPC Ops service):
+    while the rollout is paused no new group starts; a stop request ends the run after
+    the step in progress (``stopped`` is then set); a checkpoint request calls
+    ``checkpoint(step, version) -> path`` after the next step.
     """
 
     def __init__(self, cfg, job, source: Iterator, encode: Callable[[str], tuple[int, ...]],
                  decode: Callable[[list[int]], str], scorer, metrics=None, progress=None,
                  sampling_for: Callable[[dict], SamplingSpec] | None = None,
                  on_step: Callable[[int, dict], None] | None = None, overlap_rewards: bool = True,
-                 agent: bool = False) -> None:
+                 agent: bool = False, checkpoint: Callable[[int, int], str] | None = None) -> None:
         self.cfg, self.job, self.data, self.source = cfg, job, source, iter(source)
         self.encode, self.decode, self.scorer = encode, decode, scorer
         self.metrics, self.progress, self.on_step = metrics, progress, on_step
@@ -216,6 +222,10 @@ class Pipeline:
         self.trained_tokens = 0
         self.trained_samples = 0
         self.last_batch: list[TrainSample] = []  # the samples of the latest train step (inspection)
+        self.checkpoint = checkpoint
+        self.stopped: str | None = None  # the stop request's reason, when the run ended on one
+        self.abandoned_groups = 0  # groups still generating when a stop ended the run
+        self.last_done: tuple[int, int] = (0, 0)  # (step, policy version after it) of the last finished step
 
     # ---- actors ------------------------------------------------------------------------
     def _start_rewards(self) -> None:
@@ -275,34 +285,61 @@ class Pipeline:
         train_refs: list | None = None
         record: StepRecord | None = None
         pending_sync = None
+        sync_record: StepRecord | None = None  # the step whose weights pending_sync carries
+        queued: StepRecord | None = None  # a trained step waiting for the previous sync to finish
         engines = self.job.rollout.engines
         load = [0] * len(engines)
         t_last = time.perf_counter()
-        t_idle_from = time.perf_counter()  # trainer idle since
+        t_idle_from: float | None = time.perf_counter()  # trainer free (step done, weights pushed) since
         idle_s = 0.0
         gen_tokens = 0
         latencies: list[float] = []  # generation time of the groups finished since the last step
         stall_limit = self.cfg.cluster.actor_timeout_s
+        engine_tokens = [0] * len(engines)
+        state.set_run_stats(total_steps=last_step, trainer_version=version)
+        state.set_phase("running")
         t_event = time.perf_counter()
         next_log = self.cfg.rollout.wait_log_interval_s  # seconds without an event before the next progress line
         try:
-            while step < last_step or train_refs is not None or pending_sync is not None:
+            while step < last_step or train_refs is not None or pending_sync is not None or queued is not None:
                 limit = state.max_staleness()
+                if self.stopped is None and (reason := state.stop_requested()) is not None:
+                    self.stopped = reason
+                    last_step = step + (1 if train_refs is not None else 0)
+                    log.warning("stop requested (%s): ending after step %d", reason, last_step)
+                paused = state.rollout_paused()
                 next_train = version + (1 if train_refs is not None else 0)
-                admitted = self.sched.admit(engine_version, next_train, limit)
+                admitted = 0 if paused else self.sched.admit(engine_version, next_train, limit)
                 if step + (1 if train_refs is not None else 0) < last_step:
                     for _ in range(admitted):
                         ref, gid = self._submit(engines, load, engine_version)
                         gen[ref] = gid
-                if (train_refs is None and pending_sync is None and step < last_step):
+                if (t_idle_from is None and train_refs is None and queued is None
+                        and (pending_sync is None or all(_is_done(r) for r in pending_sync.trainer_refs))):
+                    t_idle_from = time.perf_counter()
+                ckpt_wanted = self.checkpoint is not None and self.stopped is None and state.checkpoint_wanted()
+                if (ckpt_wanted and train_refs is None and pending_sync is None and queued is None):
+                    # A consistent point: the trainer idle, every engine on its weights.
+                    path = self.checkpoint(step, version)
+                    state.checkpoint_written(step, version, path)
+                    ckpt_wanted = False
+                # The next train step may start once the trainer has pushed its weights (the
+                # engines may still be loading them); one finished step may wait for its sync.
+                if (train_refs is None and queued is None and not ckpt_wanted and step < last_step
+                        and (pending_sync is None or all(_is_done(r) for r in pending_sync.trainer_refs))):
                     batch = self.sched.take_batch(version, limit)
                     if batch is not None:
-                        record = StepRecord(step + 1, version, batch, time.perf_counter())
-                        idle_s += record.t_batch - t_idle_from
+                        record = StepRecord(step + 1, version, batch, time.perf_counter(), limit)
+                        idle_s += record.t_batch - (t_idle_from if t_idle_from is not None else record.t_batch)
+                        t_idle_from = None
                         samples = [s for g in batch for s in g.samples]
                         self.last_batch = samples
                         train_refs = self.job.trainer.train_step_async(samples)
                 waitables = list(gen) + list(scoring) + (train_refs or []) + (pending_sync.refs if pending_sync else [])
+                if not waitables and (paused or step >= last_step):  # paused by the operator: wait for resume
+                    time.sleep(0.2)
+                    t_event = time.perf_counter()
+                    continue
                 if not waitables:  # admission always lets an idle, synced pipeline submit: a bug if reached
                     raise RolloutError(f"pipeline stalled with nothing running: {len(self.sched.ready)} groups ready "
                                        f"of {self.sched.batch_groups}, staleness limit {limit}, trainer version "
@@ -336,7 +373,10 @@ class Pipeline:
                             who = f"engine {group.engine}" if group.engine >= 0 else "agent runner"
                             raise RolloutError(f"{who} died while generating group {gid}: "
                                                f"{str(e).splitlines()[0][:300]}") from e
-                        gen_tokens += sum(len(c.response_ids) for c in group.result.completions)
+                        n_tok = sum(len(c.response_ids) for c in group.result.completions)
+                        gen_tokens += n_tok
+                        if group.engine >= 0:
+                            engine_tokens[group.engine] += n_tok
                         latencies.append(time.perf_counter() - group.t_submit)
                         if not self.scorer.check_group(group.result, self.counts):
                             self.sched.finished(gid, None)
@@ -351,6 +391,8 @@ class Pipeline:
                     for gid, texts in self._held:
                         scoring.update(self._score(gid, texts))
                     self._held = []
+                state.set_run_stats(buffer_groups=len(self.sched.ready),
+                                    inflight_groups=len(gen) + len(scoring) + len(self._held))
                 if train_refs is not None and all(r in ready or _is_done(r) for r in train_refs):
                     assert record is not None
                     record.train = self.job.trainer.summarise(ray.get(train_refs))
@@ -358,24 +400,37 @@ class Pipeline:
                     train_refs = None
                     version += 1
                     step += 1
-                    pending_sync = self.job.start_sync(version, step)
+                    if pending_sync is None:
+                        pending_sync, sync_record = self.job.start_sync(version, step), record
+                    else:
+                        queued = record
                 if pending_sync is not None and all(r in ready or _is_done(r) for r in pending_sync.refs):
                     sync = self.job.finish_sync(pending_sync)
-                    pending_sync = None
-                    engine_version = version
-                    t_idle_from = time.perf_counter()
+                    pending_sync, done = None, sync_record
+                    engine_version = sync.policy_version
+                    if queued is not None:  # its weights are the trainer's current ones
+                        pending_sync, sync_record, queued = self.job.start_sync(version, queued.step), queued, None
                     now = time.perf_counter()
-                    rec = self._record(record, sync, now - t_last, idle_s, gen_tokens, limit)
+                    rec = self._record(done, sync, now - t_last, idle_s, gen_tokens, done.limit)
                     rec["rollout/group_seconds_max"] = max(latencies, default=0.0)
                     rec["rollout/group_seconds_mean"] = sum(latencies) / max(len(latencies), 1)
+                    step_s = max(now - t_last, 1e-9)
+                    state.set_run_stats(trainer_version=version, buffer_groups=len(self.sched.ready),
+                                        inflight_groups=len(gen) + len(scoring),
+                                        engine_load={i: (load[i], engine_tokens[i] / step_s)
+                                                     for i in range(len(engines))})
+                    state.publish_metrics(done.step, rec)
+                    self.last_done = (done.step, sync.policy_version)
                     t_last, idle_s, gen_tokens, latencies = now, 0.0, 0, []
+                    engine_tokens = [0] * len(engines)
                     self.records.append(rec)
                     if self.metrics is not None:
-                        self.metrics.log(record.step, rec)
+                        self.metrics.log(done.step, rec)
                     if self.progress is not None:
-                        self.progress.update(record.step, rec)
+                        self.progress.update(done.step, rec)
                     if self.on_step is not None:
-                        self.on_step(record.step, rec)
+                        self.on_step(done.step, rec)
+            self.abandoned_groups = len(gen)
         finally:
             self.close()
         return self.records

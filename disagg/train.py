@@ -77,8 +77,27 @@ def run(cfg: Config, run_dir: Path) -> Path:
     try:
         sync = job.sync_weights(1, trainer_step=0)
         log.info("initial weights (version 1) synced: %d bytes in %.3fs", sync.bytes, sync.seconds)
+        state = job.coordinator.state
+        pipeline = None
+
+        def checkpoint(step: int, version: int) -> str:
+            return job.save_checkpoint(step, version, {"data_cursor": getattr(pipeline.data, "cursor", None),
+                                                       "counts": dict(pipeline.counts)})
+
         with _progress(cfg) as bar:
-            make_pipeline(cfg, job, tokenizer, metrics=metrics, progress=bar).run(cfg.trainer.total_steps)
+            pipeline = make_pipeline(cfg, job, tokenizer, metrics=metrics, progress=bar, checkpoint=checkpoint)
+            try:
+                pipeline.run(cfg.trainer.total_steps)
+            except BaseException:
+                state.set_phase("failed")
+                raise
+        if pipeline.stopped is not None:
+            step, version = pipeline.last_done if pipeline.last_done[0] else (0, 1)
+            path = checkpoint(step, version)
+            state.checkpoint_written(step, version, path)
+            log.warning("stopped on request (%s) after step %d of %d: checkpoint %s; %d prompt groups were still "
+                        "generating", pipeline.stopped, step, cfg.trainer.total_steps, path, pipeline.abandoned_groups)
+        state.set_phase("stopped")
     finally:
         metrics.close()
         job.shutdown()

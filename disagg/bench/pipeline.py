@@ -29,6 +29,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import random
 import statistics
 import sys
@@ -55,6 +56,7 @@ class PipelineBenchOptions:
     async_steps: int = 120  # steps per run in the async-vs-sync comparison
     threshold: float = 0.75  # reward (10-step moving mean) both runs must reach
     cpus: int | None = None  # Ray CPUs (default: the machine's)
+    pin_pools: bool = True  # engines on the first half of the cores, the trainer on the rest (both sides alike)
     run_dir: str = "runs/bench-pipeline"
     log_level: str = "WARNING"
 
@@ -64,9 +66,26 @@ def _base_config(o: PipelineBenchOptions, **overrides: dict):
 
     data: dict[str, Any] = {"logging": {"progress": False, "tensorboard": False, "plot": False},
                             "cluster": {"num_cpus": o.cpus}}
+    rollout_cores, trainer_cores = pool_cores(o.pin_pools)
+    if rollout_cores:
+        data["rollout"] = {"cpu_affinity": rollout_cores}
+        data["trainer"] = {"cpu_affinity": trainer_cores}
     for k, v in overrides.items():
         data.setdefault(k, {}).update(v)
     return load_config(data)
+
+
+def pool_cores(pin: bool) -> tuple[list[int] | None, list[int] | None]:
+    """Disjoint cores for the rollout and trainer pools (None, None: unpinned, or one core only).
+
+    A disaggregated cluster gives each pool its own devices; on one CPU machine that means
+    its own cores, or the engine's threads and the trainer's compete and no overlap shows.
+    """
+    cores = sorted(os.sched_getaffinity(0))
+    if not pin or len(cores) < 2:
+        return None, None
+    half = len(cores) // 2
+    return cores[:half], cores[half:]
 
 
 def _replace(cfg, section: str, **kw):
@@ -229,14 +248,14 @@ def async_vs_sync(o: PipelineBenchOptions, run_dir: Path) -> dict[str, Any]:
 
 
 def run(o: PipelineBenchOptions, only: set[str]) -> dict[str, Any]:
-    import os
-
     import ray
 
     run_dir = Path(o.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    rollout_cores, trainer_cores = pool_cores(o.pin_pools)
     report: dict[str, Any] = {"options": dataclasses.asdict(o), "cpus": os.cpu_count(),
-                              "date": time.strftime("%Y-%m-%d")}
+                              "date": time.strftime("%Y-%m-%d"), "rollout_cores": rollout_cores,
+                              "trainer_cores": trainer_cores}
     ray.init(num_cpus=o.cpus, include_dashboard=False, ignore_reinit_error=True)
     try:
         if "tail" in only:
@@ -293,6 +312,9 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="disagg bench pipeline", description=__doc__.split("\n\n")[0])
     f = {x.name: x for x in dataclasses.fields(PipelineBenchOptions)}
     for name, field in f.items():
+        if isinstance(field.default, bool):  # --pin-pools / --no-pin-pools
+            p.add_argument("--" + name.replace("_", "-"), action=argparse.BooleanOptionalAction, default=field.default)
+            continue
         p.add_argument("--" + name.replace("_", "-"), type=type(field.default) if field.default is not None else int,
                        default=field.default)
     p.add_argument("--only", default="tail,overlap,async", help="comparisons to run, comma-separated")

@@ -113,6 +113,8 @@ def engine_status_to_proto(e: EngineStatus) -> pb.EngineStatus:
         policy_version=e.policy_version,
         last_update_unix_s=e.last_update_unix_s,
         message=e.message,
+        inflight_groups=e.inflight_groups,
+        tokens_per_s=e.tokens_per_s,
     )
 
 
@@ -126,6 +128,8 @@ def engine_status_from_proto(p: pb.EngineStatus) -> EngineStatus:
         policy_version=p.policy_version,
         last_update_unix_s=p.last_update_unix_s,
         message=p.message,
+        inflight_groups=p.inflight_groups,
+        tokens_per_s=p.tokens_per_s,
     )
 
 
@@ -139,6 +143,7 @@ def status_to_proto(s: ClusterStatus) -> pb.Status:
         trainer_step=s.trainer_step,
         run_dir=s.run_dir,
         started_unix_s=s.started_unix_s,
+        **{k: getattr(s, k) for k in _RUN_FIELDS},
     )
 
 
@@ -152,4 +157,9 @@ def status_from_proto(p: pb.Status) -> ClusterStatus:
         trainer_step=p.trainer_step,
         run_dir=p.run_dir,
         started_unix_s=p.started_unix_s,
+        **{k: getattr(p, k) for k in _RUN_FIELDS},
     )
+
+
+# The driver-side run fields of Status, same names on both sides.
+_RUN_FIELDS = ("trainer_version", "buffer_groups", "inflight_groups", "rollout_paused", "phase", "total_steps")

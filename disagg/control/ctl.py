@@ -1,10 +1,13 @@
-"""``disagg ctl``: look at and steer a running coordinator from a shell.
+"""``disagg ctl``: look at and steer a running job from a shell.
 
-``disagg ctl status`` shows the run, the pools and every engine (state, served
-policy version, how long since it was last heard from); ``--json`` prints the
-same snapshot for scripts. ``disagg ctl set-staleness N`` changes how far
-rollouts may lag the trainer while the run goes on. The top-level CLI
-(``disagg/cli.py``) hands ``argv`` after ``ctl`` to ``main``.
+One subcommand per Ops call: ``status`` (pools, engines with state / version /
+load, trainer step, staleness limit, buffer), ``pause`` / ``resume`` (the
+rollout), ``set-staleness N``, ``checkpoint``, ``stop`` (graceful: finish the
+step, checkpoint, exit 0) and ``watch`` (per-step metrics as they come).
+``--run-dir`` finds the job's address and token in its run directory;
+``--address`` / ``--token`` / ``--token-file`` override them; ``--json`` prints
+machine-readable output. The top-level CLI (``disagg/cli.py``) hands ``argv``
+after ``ctl`` to ``main``.
 """
 
 from __future__ import annotations
@@ -14,15 +17,19 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
+from disagg.control.auth import TOKEN_FILE, read_token
 from disagg.control.client import CoordinatorClient
 from disagg.control.types import ClusterStatus, EngineState
 from disagg.errors import ControlError
 
 ADDRESS_ENV = "DISAGG_COORDINATOR"
+RUN_DIR_ENV = "DISAGG_RUN_DIR"
+TOKEN_ENV = "DISAGG_TOKEN"
 
 _STATE_STYLE = {
     EngineState.STARTING: "cyan",
@@ -33,49 +40,132 @@ _STATE_STYLE = {
     EngineState.DEAD: "bold red",
 }
 
+# The metrics `watch` shows in its table (all of them with --json).
+WATCH_COLUMNS = [("reward/mean", "reward", "{:.3f}"), ("policy_version", "version", "{:.0f}"),
+                 ("policy/staleness_max", "stale", "{:.0f}"), ("timing/step_s", "step s", "{:.2f}"),
+                 ("timing/weight_sync_s", "sync s", "{:.3f}"), ("throughput/samples_per_s", "samples/s", "{:.0f}"),
+                 ("train/loss", "loss", "{:.4f}")]
+
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="disagg ctl", description="Inspect and steer a running disagg coordinator.")
+    parser = argparse.ArgumentParser(prog="disagg ctl", description="Inspect and steer a running disagg job.")
     common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--run-dir", default=os.environ.get(RUN_DIR_ENV),
+                        help=f"the job's run directory: address and token from it (default: ${RUN_DIR_ENV})")
     common.add_argument("--address", default=os.environ.get(ADDRESS_ENV),
-                        help=f"coordinator HOST:PORT (default: ${ADDRESS_ENV})")
+                        help=f"coordinator HOST:PORT (default: ${ADDRESS_ENV}, else <run-dir>/coordinator.addr)")
+    common.add_argument("--token", default=os.environ.get(TOKEN_ENV),
+                        help=f"the job's control token (default: ${TOKEN_ENV}, else --token-file)")
+    common.add_argument("--token-file", default=None, help=f"file holding the token (default: <run-dir>/{TOKEN_FILE})")
+    common.add_argument("--tls-ca", default=None, help="PEM to verify a TLS coordinator against")
     common.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the coordinator (default 10)")
+    common.add_argument("--json", action="store_true", help="machine-readable output")
     sub = parser.add_subparsers(dest="command", required=True)
-    status = sub.add_parser("status", parents=[common], help="show pools, engines and policy versions")
-    status.add_argument("--json", action="store_true", help="print the status as JSON")
+    sub.add_parser("status", parents=[common], help="pools, engines, versions, buffer")
     stale = sub.add_parser("set-staleness", parents=[common], help="set the max policy staleness of rollouts")
     stale.add_argument("value", type=int, help="max versions a rollout may lag the trainer (>= 0)")
+    for name, what in (("pause", "stop starting new prompt groups (in-flight ones finish)"),
+                       ("resume", "resume a paused rollout"),
+                       ("stop", "finish the step in progress, checkpoint, exit 0")):
+        sp = sub.add_parser(name, parents=[common], help=what)
+        sp.add_argument("--reason", default="", help="logged by the job")
+    ck = sub.add_parser("checkpoint", parents=[common], help="checkpoint after the step in progress")
+    ck.add_argument("--wait", type=float, default=600.0, help="seconds to wait for it (default 600)")
+    watch = sub.add_parser("watch", parents=[common], help="stream per-step metrics until the job ends")
+    watch.add_argument("--from-step", type=int, default=0, help="replay from this step (default: new steps only)")
     return parser
 
 
+def _connect(args) -> CoordinatorClient:
+    run_dir = Path(os.path.expanduser(args.run_dir)) if args.run_dir else None
+    address = args.address
+    if not address and run_dir is not None:
+        try:
+            address = (run_dir / "coordinator.addr").read_text().strip()
+        except OSError as e:
+            raise _Usage(f"no coordinator address in {run_dir}: {e.strerror} (is it a run directory of a live job?)")
+    if not address:
+        raise _Usage(f"no coordinator address: pass --run-dir DIR or --address HOST:PORT (or set ${RUN_DIR_ENV} / "
+                     f"${ADDRESS_ENV})")
+    token = args.token
+    if not token:
+        token_file = args.token_file or (run_dir / TOKEN_FILE if run_dir is not None else None)
+        if token_file is not None:
+            token = read_token(token_file)
+    return CoordinatorClient(address, timeout_s=args.timeout, token=token, tls_ca=args.tls_ca)
+
+
+class _Usage(Exception):
+    pass
+
+
 def main(argv: list[str]) -> int:
-    """Run ``disagg ctl``; return the process exit code (0 ok, 1 coordinator error, 2 usage)."""
+    """Run ``disagg ctl``; return the process exit code (0 ok, 1 job/coordinator error, 2 usage)."""
     parser = _parser()
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:  # argparse exits on --help and on usage errors
         return int(e.code or 0)
-    if not args.address:
-        print(f"disagg ctl: no coordinator address: pass --address HOST:PORT or set ${ADDRESS_ENV}", file=sys.stderr)
-        return 2
     try:
-        with CoordinatorClient(args.address, timeout_s=args.timeout) as client:
-            if args.command == "status":
-                status = client.get_status()
-                if args.json:
-                    print(json.dumps(status.to_dict(), indent=2))
-                else:
-                    console = Console()
-                    if not console.is_terminal:  # piped or captured: don't squeeze into 80 columns
-                        console = Console(width=160)
-                    render_status(status, console)
-            else:
-                value = client.set_max_staleness(args.value)
-                print(f"max_staleness is now {value}")
+        client = _connect(args)
+    except _Usage as e:
+        print(f"disagg ctl: {e}", file=sys.stderr)
+        return 2
+    except ControlError as e:
+        print(f"disagg ctl: {e}", file=sys.stderr)
+        return 1
+    try:
+        with client:
+            return _run(args, client)
     except (ControlError, ValueError) as e:
         print(f"disagg ctl: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+def _run(args, client: CoordinatorClient) -> int:
+    cmd = args.command
+    if cmd == "status":
+        status = client.status()
+        if args.json:
+            print(json.dumps(status.to_dict(), indent=2))
+        else:
+            render_status(status, _console())
+    elif cmd == "set-staleness":
+        value = client.set_max_staleness(args.value)
+        _say(args, {"max_staleness": value}, f"max_staleness is now {value}")
+    elif cmd in ("pause", "resume", "stop"):
+        fn = {"pause": client.pause_rollout, "resume": client.resume_rollout, "stop": client.stop}[cmd]
+        message = fn(args.reason)
+        _say(args, {"message": message}, message)
+    elif cmd == "checkpoint":
+        step, version, path = client.checkpoint(timeout_s=args.wait)
+        _say(args, {"step": step, "policy_version": version, "path": path},
+             f"checkpoint of step {step} (policy version {version}): {path}")
+    elif cmd == "watch":
+        if args.from_step < 0:
+            print(f"disagg ctl: --from-step={args.from_step}: must be >= 0", file=sys.stderr)
+            return 2
+        console = _console()
+        if not args.json:
+            console.print(f"{'step':>6}  " + "  ".join(f"{title:>10}" for _, title, _ in WATCH_COLUMNS))
+        for step, values in client.watch_metrics(args.from_step):
+            if args.json:
+                print(json.dumps({"step": step, **values}), flush=True)
+            else:
+                cells = [(fmt.format(values[k]) if k in values else "-") for k, _, fmt in WATCH_COLUMNS]
+                console.print(f"{step:>6}  " + "  ".join(f"{c:>10}" for c in cells))
     return 0
+
+
+def _say(args, data: dict, text: str) -> None:
+    print(json.dumps(data) if args.json else text)
+
+
+def _console() -> Console:
+    console = Console()
+    return console if console.is_terminal else Console(width=160)  # piped: don't squeeze into 80 columns
 
 
 def render_status(status: ClusterStatus, console: Console) -> None:
@@ -86,10 +176,14 @@ def render_status(status: ClusterStatus, console: Console) -> None:
     header.add_column()
     header.add_row("run dir", status.run_dir or "-")
     header.add_row("uptime", _age(now - status.started_unix_s))
-    header.add_row("trainer step", str(status.trainer_step))
+    header.add_row("phase", status.phase or "-")
+    header.add_row("trainer step", f"{status.trainer_step}" + (f" of {status.total_steps}" if status.total_steps else ""))
+    header.add_row("trainer version", str(status.trainer_version))
     header.add_row("latest version", str(status.latest_version))
     header.add_row("committed version", str(status.committed_version))
     header.add_row("max staleness", str(status.max_staleness))
+    header.add_row("rollout", "paused" if status.rollout_paused else "running")
+    header.add_row("groups", f"{status.inflight_groups} in flight, {status.buffer_groups} ready to train")
     console.print(header)
 
     pools = Table(title="pools", title_justify="left")
@@ -100,7 +194,7 @@ def render_status(status: ClusterStatus, console: Console) -> None:
     console.print(pools)
 
     engines = Table(title="engines", title_justify="left")
-    for col in ("id", "state", "version", "pid"):
+    for col in ("id", "state", "version", "in flight", "tok/s", "pid"):
         engines.add_column(col, no_wrap=True)
     for col in ("node", "address", "updated", "message"):
         engines.add_column(col, overflow="fold")
@@ -109,6 +203,8 @@ def render_status(status: ClusterStatus, console: Console) -> None:
             str(e.engine_id),
             f"[{_STATE_STYLE[e.state]}]{e.state.value}[/]",
             str(e.policy_version),
+            str(e.inflight_groups),
+            f"{e.tokens_per_s:.0f}",
             str(e.pid),
             e.node_ip,
             e.address or "-",

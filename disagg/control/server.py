@@ -22,6 +22,7 @@ from dataclasses import replace
 import grpc
 
 from disagg.control import convert
+from disagg.control.auth import TokenAuthInterceptor, server_credentials
 from disagg.control.convert import pb, pb_grpc
 from disagg.control.types import POOL_NAMES, ClusterStatus, EngineInfo, EngineState, EngineStatus, PoolStatus
 from disagg.errors import ControlError
@@ -63,6 +64,18 @@ class CoordinatorState:
         self.set_max_staleness(max_staleness)
         self._run_dir = run_dir
         self._started_unix_s = time.time()
+        # Driver-side run state (the pipeline publishes it; Ops calls steer it).
+        self._run = {"trainer_version": 0, "buffer_groups": 0, "inflight_groups": 0, "phase": "starting",
+                     "total_steps": 0}
+        self._engine_load: dict[int, tuple[int, float]] = {}  # engine id -> (groups in flight, tokens/s)
+        self._paused = False
+        self._stop_reason: str | None = None
+        self._checkpoint_waiters = 0  # Checkpoint calls waiting for the next written checkpoint
+        self._last_checkpoint: tuple[int, int, str] | None = None  # (step, version, path)
+        self._checkpoint_seq = 0
+        self._metrics: list[tuple[int, dict[str, float]]] = []
+        self._metrics_kept = 10_000
+        self._changed = threading.Condition(self._lock)  # metrics, checkpoints, phase
 
     def register_pool(self, pool: PoolStatus) -> None:
         if pool.name not in POOL_NAMES:
@@ -161,17 +174,147 @@ class CoordinatorState:
         with self._lock:
             return self._max_staleness
 
+    # ---- the run, as the driver publishes it --------------------------------------------
+    def set_run_stats(self, *, trainer_version: int | None = None, buffer_groups: int | None = None,
+                      inflight_groups: int | None = None, total_steps: int | None = None,
+                      engine_load: dict[int, tuple[int, float]] | None = None) -> None:
+        with self._lock:
+            for k, v in (("trainer_version", trainer_version), ("buffer_groups", buffer_groups),
+                         ("inflight_groups", inflight_groups), ("total_steps", total_steps)):
+                if v is not None:
+                    self._run[k] = v
+            if engine_load is not None:
+                self._engine_load = dict(engine_load)
+
+    def set_phase(self, phase: str) -> None:
+        with self._lock:
+            self._run["phase"] = phase
+            self._changed.notify_all()
+
+    def phase(self) -> str:
+        with self._lock:
+            return self._phase_locked()
+
+    def _phase_locked(self) -> str:
+        phase = self._run["phase"]
+        if phase == "running" and self._stop_reason is not None:
+            return "stopping"
+        if phase == "running" and self._paused:
+            return "paused"
+        return phase
+
+    def publish_metrics(self, step: int, record: dict) -> None:
+        values = {k: float(v) for k, v in record.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        with self._lock:
+            self._metrics.append((step, values))
+            del self._metrics[: max(0, len(self._metrics) - self._metrics_kept)]
+            self._changed.notify_all()
+
+    def watch_metrics(self, from_step: int, active, poll_s: float = 1.0):
+        """Yield (step, values) from ``from_step`` on (0: from the next step) until the run stops or ``active()``
+        is false."""
+        with self._lock:
+            nxt = from_step if from_step > 0 else (self._metrics[-1][0] + 1 if self._metrics else 1)
+        while active():
+            with self._lock:
+                batch = [m for m in self._metrics if m[0] >= nxt]
+                if not batch:
+                    if self._run["phase"] in ("stopped", "failed"):
+                        return
+                    self._changed.wait(poll_s)
+                    continue
+            for step, values in batch:
+                yield step, values
+                nxt = step + 1
+
+    # ---- operator commands -------------------------------------------------------------
+    def pause_rollout(self, reason: str = "") -> str:
+        with self._lock:
+            self._check_running("pause the rollout")
+            if self._paused:
+                raise RejectedError(grpc.StatusCode.FAILED_PRECONDITION, "rollout is already paused "
+                                    "(ResumeRollout to continue)")
+            self._paused = True
+        logger.warning("[ops] rollout paused%s", f": {reason}" if reason else "")
+        return "rollout paused: no new prompt groups start; groups in flight finish and are kept"
+
+    def resume_rollout(self, reason: str = "") -> str:
+        with self._lock:
+            if not self._paused:
+                raise RejectedError(grpc.StatusCode.FAILED_PRECONDITION, "rollout is not paused")
+            self._paused = False
+        logger.warning("[ops] rollout resumed%s", f": {reason}" if reason else "")
+        return "rollout resumed"
+
+    def rollout_paused(self) -> bool:
+        with self._lock:
+            return self._paused
+
+    def request_stop(self, reason: str = "") -> str:
+        with self._lock:
+            self._check_running("stop")
+            self._stop_reason = reason or "requested over gRPC"
+        logger.warning("[ops] stop requested: %s", self._stop_reason)
+        return "stopping: the step in progress finishes, a checkpoint is written, then the job exits 0"
+
+    def stop_requested(self) -> str | None:
+        with self._lock:
+            return self._stop_reason
+
+    def request_checkpoint(self, timeout_s: float) -> tuple[int, int, str]:
+        """Block until the driver writes the next checkpoint; return (step, version, path)."""
+        with self._lock:
+            self._check_running("checkpoint")
+            seq = self._checkpoint_seq
+            self._checkpoint_waiters += 1
+            try:
+                ok = self._changed.wait_for(lambda: self._checkpoint_seq > seq or self._run["phase"] in
+                                            ("stopped", "failed"), timeout=timeout_s)
+            finally:
+                self._checkpoint_waiters -= 1
+            if self._checkpoint_seq > seq:
+                return self._last_checkpoint
+            if not ok:
+                raise RejectedError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no checkpoint written within "
+                                    f"{timeout_s:.0f} s (the step in progress has not finished)")
+            raise RejectedError(grpc.StatusCode.FAILED_PRECONDITION, f"the job {self._run['phase']} before "
+                                "writing the checkpoint")
+
+    def checkpoint_wanted(self) -> bool:
+        with self._lock:
+            return self._checkpoint_waiters > 0
+
+    def checkpoint_written(self, step: int, policy_version: int, path: str) -> None:
+        with self._lock:
+            self._last_checkpoint = (step, policy_version, path)
+            self._checkpoint_seq += 1
+            self._changed.notify_all()
+
+    def _check_running(self, what: str) -> None:
+        phase = self._phase_locked()
+        if phase in ("stopping", "stopped", "failed"):
+            raise RejectedError(grpc.StatusCode.FAILED_PRECONDITION, f"cannot {what}: the job is {phase}")
+
     def status(self) -> ClusterStatus:
         with self._lock:
+            engines = tuple(replace(self._engines[i], inflight_groups=self._engine_load.get(i, (0, 0.0))[0],
+                                    tokens_per_s=self._engine_load.get(i, (0, 0.0))[1])
+                            for i in sorted(self._engines))
             return ClusterStatus(
                 pools=tuple(self._pools[n] for n in sorted(self._pools)),
-                engines=tuple(self._engines[i] for i in sorted(self._engines)),
+                engines=engines,
                 latest_version=self._latest_version or 0,
                 committed_version=self._committed_locked(),
                 max_staleness=self._max_staleness,
                 trainer_step=self._trainer_step,
                 run_dir=self._run_dir,
                 started_unix_s=self._started_unix_s,
+                trainer_version=self._run["trainer_version"],
+                buffer_groups=self._run["buffer_groups"],
+                inflight_groups=self._run["inflight_groups"],
+                rollout_paused=self._paused,
+                phase=self._phase_locked(),
+                total_steps=self._run["total_steps"],
             )
 
     def _committed_locked(self) -> int:
@@ -242,12 +385,53 @@ class _Servicer(pb_grpc.CoordinatorServicer):
         return pb.MaxStaleness(value=self._run(context, self._state.set_max_staleness, request.value))
 
 
+class _OpsServicer(pb_grpc.OpsServicer):
+    """The operator's API over the same state (see protos/disagg/v1/coordinator.proto)."""
+
+    def __init__(self, state: CoordinatorState):
+        self._state = state
+        self._run = _Servicer._run
+
+    def Status(self, request, context):
+        return convert.status_to_proto(self._state.status())
+
+    def PauseRollout(self, request, context):
+        return pb.OpsReply(message=self._run(self, context, self._state.pause_rollout, request.reason))
+
+    def ResumeRollout(self, request, context):
+        return pb.OpsReply(message=self._run(self, context, self._state.resume_rollout, request.reason))
+
+    def SetMaxStaleness(self, request, context):
+        return pb.MaxStaleness(value=self._run(self, context, self._state.set_max_staleness, request.value))
+
+    def Checkpoint(self, request, context):
+        remaining = context.time_remaining()
+        timeout = 3600.0 if remaining is None else max(0.0, remaining - 0.5)
+        step, version, path = self._run(self, context, self._state.request_checkpoint, timeout)
+        return pb.CheckpointReply(step=step, policy_version=version, path=path)
+
+    def Stop(self, request, context):
+        return pb.OpsReply(message=self._run(self, context, self._state.request_stop, request.reason))
+
+    def WatchMetrics(self, request, context):
+        if request.from_step < 0:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"from_step must be >= 0 (0 = from the next step), "
+                          f"got {request.from_step}")
+        for step, values in self._state.watch_metrics(request.from_step, context.is_active):
+            yield pb.StepMetrics(step=step, values=values)
+
+
 class CoordinatorServer:
     """The coordinator's gRPC server around one ``CoordinatorState`` (``.state``)."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, max_staleness: int = 0, run_dir: str = "",
-                 max_workers: int = 8, num_manifests_kept: int = 4):
+                 max_workers: int = 8, num_manifests_kept: int = 4, token: str | None = None,
+                 tls_cert: str | None = None, tls_key: str | None = None):
+        if (tls_cert is None) != (tls_key is None):
+            raise ControlError(f"TLS needs both control.tls_cert and control.tls_key (got cert={tls_cert!r}, "
+                               f"key={tls_key!r})")
         self.host = host
+        self.token, self.tls_cert, self.tls_key = token, tls_cert, tls_key
         self.state = CoordinatorState(max_staleness, run_dir, num_manifests_kept)
         self._requested_port = port
         self._max_workers = max_workers
@@ -257,19 +441,26 @@ class CoordinatorServer:
     def start(self) -> "CoordinatorServer":
         if self._server is not None:
             raise ControlError(f"coordinator already started at {self.address}")
+        interceptors = [TokenAuthInterceptor(self.token)] if self.token else []
         server = grpc.server(ThreadPoolExecutor(self._max_workers, thread_name_prefix="coordinator"),
-                             options=GRPC_OPTIONS)
+                             options=GRPC_OPTIONS, interceptors=interceptors)
         pb_grpc.add_CoordinatorServicer_to_server(_Servicer(self.state), server)
+        pb_grpc.add_OpsServicer_to_server(_OpsServicer(self.state), server)
         target = f"{_host_for_target(self.host)}:{self._requested_port}"
         try:
-            port = server.add_insecure_port(target)
+            if self.tls_cert:
+                port = server.add_secure_port(target, server_credentials(self.tls_cert, self.tls_key))
+            else:
+                port = server.add_insecure_port(target)
         except RuntimeError as e:
             raise ControlError(f"coordinator could not bind {target}: {e}") from e
         if port == 0:
             raise ControlError(f"coordinator could not bind {target}")
         server.start()
         self._server, self._port = server, port
-        logger.info("[coordinator] serving at %s (max_staleness=%d)", self.address, self.state.max_staleness())
+        logger.info("[coordinator] serving at %s (max_staleness=%d, %s, %s)", self.address,
+                    self.state.max_staleness(), "TLS" if self.tls_cert else "no TLS",
+                    "token required" if self.token else "no token")
         return self
 
     @property

@@ -65,6 +65,8 @@ class EngineStatus:
     policy_version: int  # the version the engine last acknowledged; 0 if none
     last_update_unix_s: float  # wall time of its last registration, state change or ack
     message: str = ""  # free text from its last state update, e.g. why it died
+    inflight_groups: int = 0  # prompt groups the driver has in flight on it
+    tokens_per_s: float = 0.0  # generated tokens per second over the last step
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,12 @@ class ClusterStatus:
     trainer_step: int
     run_dir: str
     started_unix_s: float  # wall time the coordinator started
+    trainer_version: int = 0  # policy version of the trainer's weights
+    buffer_groups: int = 0  # complete groups waiting to be trained
+    inflight_groups: int = 0  # groups generating or being scored
+    rollout_paused: bool = False
+    phase: str = ""  # starting | running | paused | stopping | stopped
+    total_steps: int = 0
 
     def engine(self, engine_id: int) -> EngineStatus:
         for e in self.engines:
@@ -104,4 +112,6 @@ class ClusterStatus:
             trainer_step=int(d["trainer_step"]),
             run_dir=d["run_dir"],
             started_unix_s=float(d["started_unix_s"]),
+            **{k: d[k] for k in ("trainer_version", "buffer_groups", "inflight_groups", "rollout_paused", "phase",
+                                 "total_steps") if k in d},
         )

@@ -20,7 +20,7 @@ from disagg.config import Config
 
 log = logging.getLogger("disagg.model")
 
-_CACHE_FORMAT = 2  # 2: chat/tool tokens in the vocabulary
+_CACHE_FORMAT = 3  # 2: chat/tool tokens in the vocabulary; 3: warm-up + grad clip
 
 
 def _cache_key(cfg: Config) -> str:
@@ -49,6 +49,8 @@ def prepare_model(cfg: Config) -> Path:
         return path
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f".{path.name}.{os.getpid()}"
+    log.info("building the tiny model and its %d-step warm start on task %s (cached afterwards as %s)",
+             cfg.model.warmstart.steps, cfg.data.task, path)
     t0 = time.perf_counter()
     _build_and_warm_start(cfg, tmp)
     (tmp / "READY").write_text("ok\n")
@@ -64,6 +66,7 @@ def prepare_model(cfg: Config) -> Path:
 
 def _build_and_warm_start(cfg: Config, out: Path) -> None:
     import torch
+    from tqdm import tqdm
 
     from disagg.model.tiny import build_model, build_tokenizer, save_checkpoint
 
@@ -74,8 +77,10 @@ def _build_and_warm_start(cfg: Config, out: Path) -> None:
         torch.manual_seed(cfg.model.seed)
         seqs = _sft_sequences(cfg, tok, ws.steps * ws.batch_size)
         opt = torch.optim.AdamW(model.parameters(), lr=ws.lr)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / (ws.warmup_steps + 1)))
         model.train()
-        for step in range(ws.steps):
+        bar = tqdm(range(ws.steps), desc="warm start", unit="step", disable=not cfg.logging.progress)
+        for step in bar:
             chunk = seqs[step * ws.batch_size : (step + 1) * ws.batch_size]
             ids = [x for x, _ in chunk]
             labels = [[t if m else -100 for t, m in zip(x, mask)] for x, mask in chunk]
@@ -86,7 +91,11 @@ def _build_and_warm_start(cfg: Config, out: Path) -> None:
             loss = model(input_ids=input_ids, attention_mask=attn, labels=lab).loss
             opt.zero_grad()
             loss.backward()
+            if ws.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), ws.grad_clip)
             opt.step()
+            sched.step()
+            bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
         log.info("warm start: %d steps, final loss %.3f", ws.steps, loss.item())
     model.eval()
     save_checkpoint(model, tok, out)

@@ -18,6 +18,7 @@ import os
 import time
 from typing import Any
 
+from disagg.cluster import pin_process
 from disagg.config import RolloutConfig, TransportConfig
 from disagg.errors import ChecksumError, EngineDeadError, RolloutError
 from disagg.logs import await_logged, setup_logging
@@ -31,10 +32,11 @@ WORKER_EXTENSION = "disagg.rollout.vllm_transfer.DisaggWorkerExtension"
 class EngineActor:
     """A vLLM engine behind a weights-loaded gate. Wrapped with ``ray.remote`` by the pool."""
 
-    def __init__(self, engine_id: int, model_path: str, cfg: RolloutConfig, coordinator: str | None,
+    def __init__(self, engine_id: int, model_path: str, cfg: RolloutConfig, coordinator: Any,
                  rpc_timeout_s: float, seed: int = 0, log_level: str = "INFO",
                  transport_cfg: TransportConfig | None = None):
         setup_logging(f"rollout:{engine_id}", log_level)
+        pin_process(cfg.cpu_affinity, f"engine {engine_id}")
         self.engine_id = engine_id
         self.model_path = model_path
         self.cfg = cfg
@@ -45,10 +47,11 @@ class EngineActor:
         self._engine = None
         self._coord = None
         self._registered = False
-        if coordinator:
+        if coordinator is not None:  # a CoordinatorClient (address, token, TLS root), or "host:port"
             from disagg.control.client import CoordinatorClient
 
-            self._coord = CoordinatorClient(coordinator, timeout_s=rpc_timeout_s)
+            self._coord = (coordinator if isinstance(coordinator, CoordinatorClient)
+                           else CoordinatorClient(coordinator, timeout_s=rpc_timeout_s))
         self.stats = {"requests": 0, "dropped_prompt_too_long": 0, "tokens_generated": 0,
                       "http_requests": 0, "http_inflight": 0, "http_waiting": 0}
         self.address = ""  # the OpenAI API's base address (http://host:port), once serving

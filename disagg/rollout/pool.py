@@ -22,7 +22,7 @@ ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 class RolloutPool:
-    def __init__(self, cfg: Config, pg, device: str, model_path: str, coordinator: str | None):
+    def __init__(self, cfg: Config, pg, device: str, model_path: str, coordinator=None):
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 

@@ -86,10 +86,15 @@ class TrainerGroup:
         """Start the weight push on every rank (rank 0 sends); returns the refs."""
         return [w.push_weights.remote(policy_version) for w in self.workers]
 
-    def announce(self, coordinator: str, policy_version: int, trainer_step: int) -> str:
+    def announce(self, coordinator, policy_version: int, trainer_step: int) -> str:
         """Rank 0 announces the version and its manifest to the coordinator over gRPC."""
         ref = self.rank0.announce.remote(coordinator, policy_version, trainer_step, self.cfg.control.rpc_timeout_s)
         return self._get(ref, f"announce of version {policy_version}")
+
+    def save_checkpoint(self, path: str) -> str:
+        """Every worker writes its part of a checkpoint under ``path`` (see TrainerWorker.save_checkpoint)."""
+        self._get([w.save_checkpoint.remote(path) for w in self.workers], f"checkpoint to {path}")
+        return path
 
     def shutdown(self) -> None:
         import ray

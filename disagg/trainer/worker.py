@@ -15,10 +15,12 @@ import logging
 import os
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from disagg.cluster import pin_process
 from disagg.config import AlgorithmConfig, TrainerConfig, TransportConfig
 from disagg.logs import setup_logging
 from disagg.samples import TrainSample
@@ -40,6 +42,7 @@ class TrainerWorker:
         self.device = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
         if device == "cpu":
             torch.set_num_threads(cfg.torch_threads)
+            pin_process(cfg.cpu_affinity, f"trainer worker {rank}")
         self.model = None
         self.ref_model = None
         self.opt = None
@@ -91,6 +94,8 @@ class TrainerWorker:
         self.model = model
         self.opt = torch.optim.AdamW(model.parameters(), lr=self.cfg.lr, betas=self.cfg.betas,
                                      weight_decay=self.cfg.weight_decay)
+        warmup = self.cfg.warmup_steps
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda k: min(1.0, (k + 1) / (warmup + 1)))
         n = sum(p.numel() for p in model.parameters())
         log.info("model loaded from %s (%d parameters%s)", self.model_path, n,
                  f", FSDP2 over {self.world_size} ranks" if self.world_size > 1 else "")
@@ -203,6 +208,7 @@ class TrainerWorker:
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
         self.opt.step()
+        self.sched.step()
         self.opt.zero_grad(set_to_none=True)
         return float(grad_norm)
 
@@ -215,6 +221,34 @@ class TrainerWorker:
         """Every parameter as a full CPU tensor (inspection in tests and debugging; a collective
         under FSDP; never the weight-sync path, which moves bytes over the transport group)."""
         return {n: t.cpu().clone() for n, t in self._full_params().items()}
+
+    # ---- checkpoints ---------------------------------------------------------------
+    def save_checkpoint(self, path: str) -> dict[str, Any]:
+        """Write the model (HF layout, safetensors) and the optimizer/scheduler/RNG state under ``path``.
+
+        Every rank must call this (under FSDP the full state dicts are gathered collectively);
+        rank 0 writes the model and the full optimizer state, so a checkpoint written by N
+        workers loads into M. Each rank writes its own RNG state.
+        """
+        out = Path(path)
+        out.mkdir(parents=True, exist_ok=True)
+        if self.world_size > 1:
+            from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                                 get_optimizer_state_dict)
+
+            opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            model_sd = get_model_state_dict(self.model, options=opts)
+            optim_sd = get_optimizer_state_dict(self.model, self.opt, options=opts)
+        else:
+            model_sd = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+            optim_sd = self.opt.state_dict()
+        torch.save({"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if
+                    torch.cuda.is_available() else None}, out / f"rng_rank{self.rank}.pt")
+        if self.rank == 0:
+            self.model.save_pretrained(out, state_dict=model_sd, safe_serialization=True)
+            torch.save({"optimizer": optim_sd, "scheduler": self.sched.state_dict(), "world_size": self.world_size},
+                       out / "optimizer.pt")
+        return {"rank": self.rank, "path": str(out)}
 
     # ---- weights -------------------------------------------------------------------
     def _full_params(self) -> dict[str, torch.Tensor]:
@@ -248,13 +282,15 @@ class TrainerWorker:
             self._manifest = model_manifest(self.model, self.transport_cfg.bucket_bytes, 0, self.transport_cfg.dtype)
         return self._manifest.with_version(policy_version).to_dict()
 
-    def announce(self, coordinator: str, policy_version: int, trainer_step: int, timeout_s: float) -> str:
-        """Tell the coordinator (gRPC) that ``policy_version`` exists, with its manifest; returns its digest."""
+    def announce(self, coordinator, policy_version: int, trainer_step: int, timeout_s: float) -> str:
+        """Tell the coordinator (gRPC) that ``policy_version`` exists, with its manifest; returns its digest.
+        ``coordinator``: a CoordinatorClient (address, token, TLS root) or "host:port"."""
         from disagg.control.client import CoordinatorClient
         from disagg.transport.manifest import Manifest
 
-        if self._coord is None:
-            self._coord = CoordinatorClient(coordinator, timeout_s=timeout_s)
+        if self._coord is None or self._coord.address != getattr(coordinator, "address", coordinator):
+            self._coord = (coordinator if isinstance(coordinator, CoordinatorClient)
+                           else CoordinatorClient(coordinator, timeout_s=timeout_s))
         m = Manifest.from_dict(self.manifest(policy_version))
         self._coord.announce_version(m, trainer_step)
         return m.layout_digest()

@@ -135,11 +135,10 @@ def test_max_staleness_zero_reproduces_the_synchronous_pattern(job, tok):
 def test_staleness_is_bounded_with_a_slow_trainer_and_changed_at_run_time_over_grpc(job, tok):
     import ray
 
-    from disagg.control.client import CoordinatorClient
 
     job.coordinator.state.set_max_staleness(2)
     ray.get(job.trainer.rank0.set_step_delay.remote(0.6), timeout=60)
-    client = CoordinatorClient(job.coordinator.address, timeout_s=10)
+    client = job.control_client()
     changed_at: list[int] = []
 
     def on_step(step: int, rec: dict) -> None:

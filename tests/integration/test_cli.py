@@ -52,12 +52,12 @@ def test_train_three_steps_writes_metrics_and_ctl_sees_the_live_run(tmp_path, mo
     while proc.poll() is None and time.monotonic() < deadline:
         if addr_file.exists():
             addr = addr_file.read_text().strip()
-            rc, out = _ctl(["status", "--address", addr, "--json", "--timeout", "2"])
+            rc, out = _ctl(["status", "--run-dir", str(run_dir), "--json", "--timeout", "2"])
             if rc == 0:
                 st = json.loads(out)
                 if st["committed_version"] >= 1 and st["engines"]:
                     seen_status = st
-                    table = _ctl(["status", "--address", addr])[1]
+                    table = _ctl(["status", "--address", addr, "--token-file", str(run_dir / "control.token")])[1]
                     break
         time.sleep(0.05)
     out, err = proc.communicate(timeout=600)
@@ -96,6 +96,7 @@ def test_invalid_config_fails_before_any_actor_starts(tmp_path):
 
 def test_ctl_without_address_is_a_usage_error(monkeypatch):
     monkeypatch.delenv("DISAGG_COORDINATOR", raising=False)
+    monkeypatch.delenv("DISAGG_RUN_DIR", raising=False)
     rc, _ = _ctl(["status"])
     assert rc == 2
 

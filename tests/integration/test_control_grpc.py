@@ -201,6 +201,7 @@ def test_ctl_status_table_and_set_staleness(client, server, capsys, monkeypatch)
 
 def test_ctl_without_address_fails_clearly(capsys, monkeypatch):
     monkeypatch.delenv("DISAGG_COORDINATOR", raising=False)
+    monkeypatch.delenv("DISAGG_RUN_DIR", raising=False)
     assert ctl.main(["status"]) == 2
     assert "--address" in capsys.readouterr().err
 

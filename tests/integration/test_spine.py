@@ -170,9 +170,7 @@ def test_prompt_over_engine_limit_is_dropped_and_counted(job, tok):
 
 
 def test_coordinator_status_lists_engine_and_committed_version(job):
-    from disagg.control.client import CoordinatorClient
-
-    status = CoordinatorClient(job.coordinator.address, timeout_s=10).get_status()
+    status = job.control_client().get_status()
     assert status.committed_version == status.latest_version >= 1
     assert [e.engine_id for e in status.engines] == [0]
     assert status.engines[0].policy_version == status.committed_version

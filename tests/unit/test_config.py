@@ -96,3 +96,10 @@ def test_greedy_is_for_generate_only():
         load_config({"rollout": {"temperature": 0}})
     with pytest.raises(ConfigError, match="rollout.temperature=-1"):
         load_config({"rollout": {"temperature": -1}}, mode="generate")
+
+
+def test_warmstart_keys_are_checked():
+    with pytest.raises(ConfigError, match=r"model.warmstart.warmup_steps=-1: must be >= 0"):
+        load_config({"model": {"warmstart": {"warmup_steps": -1}}})
+    with pytest.raises(ConfigError, match=r"model.warmstart.lr=0.0: must be > 0"):
+        load_config({"model": {"warmstart": {"lr": 0.0}}})

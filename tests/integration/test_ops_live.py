@@ -1,0 +1,124 @@
+"""Operating a live `disagg train` run (a subprocess: real Ray, vLLM, gloo) over the Ops gRPC service:
+token, watch, pause/resume, set-staleness, checkpoint, graceful stop."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from disagg.control.auth import read_token
+from disagg.control.client import ControlRpcError, CoordinatorClient
+
+ARGS = [
+    "trainer.total_steps=2000",  # far more than the test lets it run: it ends on Stop
+    "trainer.micro_batch_size=32",
+    "rollout.max_model_len=32",
+    "algorithm.group_size=4",
+    "algorithm.prompts_per_step=4",
+    "model.warmstart.steps=30",
+    "logging.progress=false",
+]
+
+
+def _wait(cond, timeout_s: float, what: str, proc=None):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"the run exited ({proc.returncode}) while waiting for {what}: "
+                                 f"{proc.stderr.read()[-3000:]}")
+        value = cond()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def live_run(tmp_path_factory, model_cache):
+    run_dir = tmp_path_factory.mktemp("ops") / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "disagg", "train", *ARGS, f"model.cache_dir={model_cache}",
+                             f"hydra.run.dir={run_dir}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        _wait(lambda: (run_dir / "coordinator.addr").exists() and (run_dir / "control.token").exists(), 300,
+              "the coordinator's address and token", proc)
+        client = CoordinatorClient((run_dir / "coordinator.addr").read_text().strip(), timeout_s=10,
+                                   token=read_token(run_dir / "control.token"))
+        _wait(lambda: client.status().trainer_step >= 2, 600, "two trained steps", proc)
+        yield run_dir, proc, client
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=60)
+
+
+def test_operating_a_live_run(live_run):
+    run_dir, proc, client = live_run
+    assert stat.S_IMODE(os.stat(run_dir / "control.token").st_mode) == 0o600
+    anonymous = CoordinatorClient(client.address, timeout_s=5)
+    with pytest.raises(ControlRpcError) as e:
+        anonymous.status()
+    assert e.value.code == "UNAUTHENTICATED"
+
+    # watch: steps stream in as they finish.
+    watched: list[tuple[int, dict]] = []
+    watcher = threading.Thread(target=lambda: watched.extend(client.watch_metrics(from_step=1)), daemon=True)
+    watcher.start()
+    st = client.status()
+    assert st.phase == "running" and st.total_steps == 2000 and st.engines[0].address.startswith("http")
+
+    # pause: in-flight groups finish, then nothing new starts and training stops for want of samples.
+    client.pause_rollout("test")
+    _wait(lambda: (s := client.status()).inflight_groups == 0 and s.phase == "paused", 120, "the rollout to drain",
+          proc)
+    time.sleep(1.5)  # a buffered batch may still train
+    step_paused = client.status().trainer_step
+    time.sleep(3.0)
+    st = client.status()
+    assert st.trainer_step == step_paused and st.inflight_groups == 0, "trained or generated while paused"
+    with pytest.raises(ControlRpcError) as e:
+        client.pause_rollout()
+    assert e.value.code == "FAILED_PRECONDITION"
+
+    client.resume_rollout()
+    _wait(lambda: client.status().trainer_step >= step_paused + 2, 120, "steps after resume", proc)
+    assert client.set_max_staleness(2) == 2 and client.status().max_staleness == 2
+    with pytest.raises(ControlRpcError) as e:
+        client.set_max_staleness(-5)
+    assert e.value.code == "INVALID_ARGUMENT"
+
+    # checkpoint: returns once on disk; HF loads it.
+    step, version, path = client.checkpoint(timeout_s=120)
+    assert step > step_paused and version == step + 1
+    saved = json.loads((run_dir / "checkpoints" / f"step_{step:06d}" / "state.json").read_text())
+    assert saved["step"] == step and saved["policy_version"] == version and saved["data_cursor"] > 0
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    AutoModelForCausalLM.from_pretrained(path)
+    AutoTokenizer.from_pretrained(path)
+    import torch
+
+    opt = torch.load(os.path.join(path, "optimizer.pt"), weights_only=False)
+    assert opt["scheduler"]["last_epoch"] == step and opt["optimizer"]["state"]
+
+    # stop: the step in progress finishes, a final checkpoint, exit 0.
+    assert "stopping" in client.stop("end of test")
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    last = recs[-1]["step"]
+    assert last < 2000 and [r["step"] for r in recs] == list(range(1, last + 1))
+    final = json.loads((run_dir / "checkpoints" / f"step_{last:06d}" / "state.json").read_text())
+    assert final["step"] == last and final["policy_version"] == recs[-1]["policy_version"]
+    assert "stopped on request (end of test)" in out + err
+    watcher.join(timeout=30)
+    assert not watcher.is_alive(), "the metrics stream did not end with the run"
+    assert [s for s, _ in watched] == list(range(1, last + 1))
+    assert watched[-1][1]["reward/mean"] == pytest.approx(recs[-1]["reward/mean"])
