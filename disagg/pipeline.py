@@ -189,8 +189,9 @@ class Pipeline:
 
     Operator commands arrive through the coordinator's state (the gRPC Ops service):
     while the rollout is paused no new group starts; a stop request ends the run after
-    the step in progress (``stopped`` is then set); a checkpoint request calls
-    ``checkpoint(step, version) -> path`` after the next step.
+    the step in progress (``stopped`` is then set); a checkpoint request holds back new
+    train steps until the trainer is idle and every engine serves its weights, then calls
+    ``checkpoint(step, version) -> path``.
     """
 
     def __init__(self, cfg, job, source: Iterator, encode: Callable[[str], tuple[int, ...]],
@@ -287,6 +288,7 @@ class Pipeline:
         pending_sync = None
         sync_record: StepRecord | None = None  # the step whose weights pending_sync carries
         queued: StepRecord | None = None  # a trained step waiting for the previous sync to finish
+        seen_done: set = set()  # trainer / sync refs already finished (their step or sync not complete yet)
         engines = self.job.rollout.engines
         load = [0] * len(engines)
         t_last = time.perf_counter()
@@ -335,7 +337,10 @@ class Pipeline:
                         samples = [s for g in batch for s in g.samples]
                         self.last_batch = samples
                         train_refs = self.job.trainer.train_step_async(samples)
-                waitables = list(gen) + list(scoring) + (train_refs or []) + (pending_sync.refs if pending_sync else [])
+                # Trainer and sync refs already seen done stay out: ray.wait would return them at
+                # once and the driver would spin (stealing a core) until their siblings finish.
+                busy = (train_refs or []) + (pending_sync.refs if pending_sync else [])
+                waitables = list(gen) + list(scoring) + [r for r in busy if r not in seen_done]
                 if not waitables and (paused or step >= last_step):  # paused by the operator: wait for resume
                     time.sleep(0.2)
                     t_event = time.perf_counter()
@@ -361,6 +366,7 @@ class Pipeline:
                     continue
                 t_event, next_log = time.perf_counter(), self.cfg.rollout.wait_log_interval_s
                 ready, _ = ray.wait(waitables, num_returns=len(waitables), timeout=0)
+                seen_done.update(r for r in ready if r not in gen and r not in scoring)
                 for ref in ready:
                     if ref in gen:
                         gid = gen.pop(ref)
@@ -397,6 +403,7 @@ class Pipeline:
                     assert record is not None
                     record.train = self.job.trainer.summarise(ray.get(train_refs))
                     record.t_train_done = time.perf_counter()
+                    seen_done.difference_update(train_refs)
                     train_refs = None
                     version += 1
                     step += 1
@@ -406,6 +413,7 @@ class Pipeline:
                         queued = record
                 if pending_sync is not None and all(r in ready or _is_done(r) for r in pending_sync.refs):
                     sync = self.job.finish_sync(pending_sync)
+                    seen_done.difference_update(pending_sync.refs)
                     pending_sync, done = None, sync_record
                     engine_version = sync.policy_version
                     if queued is not None:  # its weights are the trainer's current ones
