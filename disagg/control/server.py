@@ -76,6 +76,11 @@ class CoordinatorState:
         self._metrics: list[tuple[int, dict[str, float]]] = []
         self._metrics_kept = 10_000
         self._changed = threading.Condition(self._lock)  # metrics, checkpoints, phase
+        # WatchMetrics streams and Checkpoint calls each hold a server thread while they wait;
+        # past this many the rest get RESOURCE_EXHAUSTED, so engines' and the trainer's calls
+        # always find a thread.
+        self._blocking = 0
+        self.max_blocking_calls = 16
 
     def register_pool(self, pool: PoolStatus) -> None:
         if pool.name not in POOL_NAMES:
@@ -214,7 +219,21 @@ class CoordinatorState:
         """Yield (step, values) from ``from_step`` on (0: from the next step) until the run stops or ``active()``
         is false."""
         with self._lock:
+            self._enter_blocking("WatchMetrics")
             nxt = from_step if from_step > 0 else (self._metrics[-1][0] + 1 if self._metrics else 1)
+        try:
+            yield from self._watch(nxt, active, poll_s)
+        finally:
+            with self._lock:
+                self._blocking -= 1
+
+    def _enter_blocking(self, what: str) -> None:
+        if self._blocking >= self.max_blocking_calls:
+            raise RejectedError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{what}: {self._blocking} waiting calls "
+                                f"(streams and checkpoints) already; close one and retry")
+        self._blocking += 1
+
+    def _watch(self, nxt: int, active, poll_s: float):
         while active():
             with self._lock:
                 batch = [m for m in self._metrics if m[0] >= nxt]
@@ -265,6 +284,7 @@ class CoordinatorState:
         """Block until the driver writes the next checkpoint; return (step, version, path)."""
         with self._lock:
             self._check_running("checkpoint")
+            self._enter_blocking("Checkpoint")
             seq = self._checkpoint_seq
             self._checkpoint_waiters += 1
             try:
@@ -272,6 +292,7 @@ class CoordinatorState:
                                             ("stopped", "failed"), timeout=timeout_s)
             finally:
                 self._checkpoint_waiters -= 1
+                self._blocking -= 1
             if self._checkpoint_seq > seq:
                 return self._last_checkpoint
             if not ok:
@@ -417,15 +438,18 @@ class _OpsServicer(pb_grpc.OpsServicer):
         if request.from_step < 0:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"from_step must be >= 0 (0 = from the next step), "
                           f"got {request.from_step}")
-        for step, values in self._state.watch_metrics(request.from_step, context.is_active):
-            yield pb.StepMetrics(step=step, values=values)
+        try:
+            for step, values in self._state.watch_metrics(request.from_step, context.is_active):
+                yield pb.StepMetrics(step=step, values=values)
+        except RejectedError as e:
+            context.abort(e.code, str(e))
 
 
 class CoordinatorServer:
     """The coordinator's gRPC server around one ``CoordinatorState`` (``.state``)."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, max_staleness: int = 0, run_dir: str = "",
-                 max_workers: int = 8, num_manifests_kept: int = 4, token: str | None = None,
+                 max_workers: int = 32, num_manifests_kept: int = 4, token: str | None = None,
                  tls_cert: str | None = None, tls_key: str | None = None):
         if (tls_cert is None) != (tls_key is None):
             raise ControlError(f"TLS needs both control.tls_cert and control.tls_key (got cert={tls_cert!r}, "

@@ -136,6 +136,29 @@ def test_watch_replays_then_streams_and_ends_with_the_run(secured):
     assert got[1][1] == {"reward/mean": 0.75, "policy_version": 4.0}
 
 
+def test_waiting_calls_are_capped_so_engines_always_find_a_server_thread(secured):
+    srv, token, _ = secured
+    srv.state.max_blocking_calls = 1
+    first: list = []
+    with CoordinatorClient(srv.address, timeout_s=5, token=token) as c1, \
+            CoordinatorClient(srv.address, timeout_s=5, token=token) as c2:
+        t = threading.Thread(target=lambda: first.extend(c1.watch_metrics(from_step=1)), daemon=True)
+        t.start()
+        time.sleep(0.5)  # the first stream holds its thread
+        with pytest.raises(ControlRpcError) as e:
+            list(c2.watch_metrics(from_step=1))
+        assert e.value.code == "RESOURCE_EXHAUSTED" and "close one" in e.value.details
+        with pytest.raises(ControlRpcError) as e:
+            c2.checkpoint(timeout_s=5)
+        assert e.value.code == "RESOURCE_EXHAUSTED"
+        assert c2.get_status().run_dir  # ordinary calls still served
+        srv.state.publish_metrics(1, {"reward/mean": 1.0})
+        srv.state.set_phase("stopped")
+        t.join(timeout=10)
+    assert [s for s, _ in first] == [1]
+    assert srv.state._blocking == 0  # released when the stream ended
+
+
 def test_ctl_subcommands_with_run_dir(secured, capsys):
     srv, token, path = secured
     run_dir = path.parent
