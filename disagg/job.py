@@ -56,6 +56,7 @@ class Job:
         self.run_dir = run_dir
         self.model_path = model_path
         self.coordinator = None
+        self.token: str | None = None  # the job's control token (written to <run_dir>/control.token)
         self.pools: Pools | None = None
         self.trainer: TrainerGroup | None = None
         self.rollout: RolloutPool | None = None

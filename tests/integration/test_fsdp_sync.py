@@ -4,6 +4,8 @@ group): vLLM's log-probs agree with the sharded trainer's before and after a ste
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from disagg.rollout.types import GenRequest, SamplingSpec
@@ -67,3 +69,28 @@ def test_sharded_trainer_syncs_full_weights_to_vllm(job):
     moved = [abs(x - y) for a, b in zip([s.behaviour_logprobs for s in s1], _trainer_logprobs(job, s1))
              for x, y in zip(a, b)]
     assert max(moved) > 1e-3
+
+
+def test_checkpoint_of_a_sharded_trainer_holds_full_tensors(job, tmp_path):
+    import ray
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(job.model_path)
+    job.sync_weights(job.coordinator.state.latest_version() + 1, trainer_step=0)
+    job.trainer.train_step(_samples(job, tok, "ck"))  # optimizer state exists
+    path = job.save_checkpoint(7, 8, {"note": "fsdp"})
+    full = ray.get([w.full_state_dict.remote() for w in job.trainer.workers], timeout=120)[0]
+    saved = load_file(f"{path}/model.safetensors")
+    for name, t in full.items():
+        if name in saved:  # tied lm_head is stored once
+            assert torch.equal(saved[name], t), name
+    assert "model.embed_tokens.weight" in saved
+    opt = torch.load(f"{path}/optimizer.pt", weights_only=False)
+    assert opt["world_size"] == 2
+    # Full (unsharded) moments, keyed by parameter name: loadable by any number of workers.
+    shapes = {n: tuple(t.shape) for n, t in full.items()}
+    state = opt["optimizer"]["state"]
+    assert state and all(tuple(v["exp_avg"].shape) == shapes[k] for k, v in state.items())
+    assert sorted(p.name for p in Path(path).glob("rng_rank*.pt")) == ["rng_rank0.pt", "rng_rank1.pt"]
