@@ -316,23 +316,23 @@ class Pipeline:
                     for _ in range(admitted):
                         ref, gid = self._submit(engines, load, engine_version)
                         gen[ref] = gid
-                if (t_idle_from is None and train_refs is None and queued is None
-                        and (pending_sync is None or all(_is_done(r) for r in pending_sync.trainer_refs))):
+                # The trainer is free once its step is done and its weights are pushed (the engines
+                # may still be loading them); one finished step may wait for its sync.
+                trainer_free = (train_refs is None and queued is None and (pending_sync is None or all(
+                    r in seen_done or _is_done(r) for r in pending_sync.trainer_refs)))
+                if trainer_free and t_idle_from is None:
                     t_idle_from = time.perf_counter()
                 ckpt_wanted = self.checkpoint is not None and self.stopped is None and state.checkpoint_wanted()
-                if (ckpt_wanted and train_refs is None and pending_sync is None and queued is None):
+                if ckpt_wanted and trainer_free and pending_sync is None:
                     # A consistent point: the trainer idle, every engine on its weights.
                     path = self.checkpoint(step, version)
                     state.checkpoint_written(step, version, path)
                     ckpt_wanted = False
-                # The next train step may start once the trainer has pushed its weights (the
-                # engines may still be loading them); one finished step may wait for its sync.
-                if (train_refs is None and queued is None and not ckpt_wanted and step < last_step
-                        and (pending_sync is None or all(_is_done(r) for r in pending_sync.trainer_refs))):
+                if trainer_free and not ckpt_wanted and step < last_step:
                     batch = self.sched.take_batch(version, limit)
                     if batch is not None:
                         record = StepRecord(step + 1, version, batch, time.perf_counter(), limit)
-                        idle_s += record.t_batch - (t_idle_from if t_idle_from is not None else record.t_batch)
+                        idle_s += record.t_batch - t_idle_from
                         t_idle_from = None
                         samples = [s for g in batch for s in g.samples]
                         self.last_batch = samples

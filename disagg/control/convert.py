@@ -10,7 +10,7 @@ field mapping: validation belongs to the coordinator's state.
 from __future__ import annotations
 
 from disagg.transport.manifest import BucketEntry, BucketPlan, Manifest, TensorSpec
-from disagg.control.types import ClusterStatus, EngineInfo, EngineState, EngineStatus, PoolStatus
+from disagg.control.types import RUN_FIELDS, ClusterStatus, EngineInfo, EngineState, EngineStatus, PoolStatus
 
 try:
     from disagg.control._proto import coordinator_pb2 as pb
@@ -143,7 +143,7 @@ def status_to_proto(s: ClusterStatus) -> pb.Status:
         trainer_step=s.trainer_step,
         run_dir=s.run_dir,
         started_unix_s=s.started_unix_s,
-        **{k: getattr(s, k) for k in _RUN_FIELDS},
+        **{k: getattr(s, k) for k in RUN_FIELDS},
     )
 
 
@@ -157,9 +157,5 @@ def status_from_proto(p: pb.Status) -> ClusterStatus:
         trainer_step=p.trainer_step,
         run_dir=p.run_dir,
         started_unix_s=p.started_unix_s,
-        **{k: getattr(p, k) for k in _RUN_FIELDS},
+        **{k: getattr(p, k) for k in RUN_FIELDS},
     )
-
-
-# The driver-side run fields of Status, same names on both sides.
-_RUN_FIELDS = ("trainer_version", "buffer_groups", "inflight_groups", "rollout_paused", "phase", "total_steps")

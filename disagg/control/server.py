@@ -196,10 +196,6 @@ class CoordinatorState:
             self._run["phase"] = phase
             self._changed.notify_all()
 
-    def phase(self) -> str:
-        with self._lock:
-            return self._phase_locked()
-
     def _phase_locked(self) -> str:
         phase = self._run["phase"]
         if phase == "running" and self._stop_reason is not None:
@@ -318,8 +314,8 @@ class CoordinatorState:
 
     def status(self) -> ClusterStatus:
         with self._lock:
-            engines = tuple(replace(self._engines[i], inflight_groups=self._engine_load.get(i, (0, 0.0))[0],
-                                    tokens_per_s=self._engine_load.get(i, (0, 0.0))[1])
+            load = {i: self._engine_load.get(i, (0, 0.0)) for i in self._engines}
+            engines = tuple(replace(self._engines[i], inflight_groups=load[i][0], tokens_per_s=load[i][1])
                             for i in sorted(self._engines))
             return ClusterStatus(
                 pools=tuple(self._pools[n] for n in sorted(self._pools)),
@@ -356,30 +352,32 @@ class CoordinatorState:
         return f"policy_version {policy_version} was never announced (kept: {kept})"
 
 
+def _answer(context: grpc.ServicerContext, fn, *args):
+    """Call the state; map ``RejectedError`` to its status code and ``ValueError`` to INVALID_ARGUMENT."""
+    try:
+        return fn(*args)
+    except RejectedError as e:
+        context.abort(e.code, str(e))
+    except ValueError as e:  # a malformed request, e.g. an unset engine state
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+
 class _Servicer(pb_grpc.CoordinatorServicer):
     """Wire adapter: convert, call the state, map ``RejectedError`` to a status code."""
 
     def __init__(self, state: CoordinatorState):
         self._state = state
 
-    def _run(self, context: grpc.ServicerContext, fn, *args):
-        try:
-            return fn(*args)
-        except RejectedError as e:
-            context.abort(e.code, str(e))
-        except ValueError as e:  # a malformed request, e.g. an unset engine state
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-
     def RegisterPool(self, request, context):
-        self._run(context, self._state.register_pool, convert.pool_from_proto(request))
+        _answer(context, self._state.register_pool, convert.pool_from_proto(request))
         return pb.Ack()
 
     def RegisterEngine(self, request, context):
-        self._run(context, lambda: self._state.register_engine(convert.engine_info_from_proto(request)))
+        _answer(context, lambda: self._state.register_engine(convert.engine_info_from_proto(request)))
         return pb.Ack()
 
     def UpdateEngineState(self, request, context):
-        self._run(context, lambda: self._state.update_engine_state(
+        _answer(context, lambda: self._state.update_engine_state(
             request.engine_id, convert.engine_state_from_proto(request.state), request.message))
         return pb.Ack()
 
@@ -388,14 +386,14 @@ class _Servicer(pb_grpc.CoordinatorServicer):
         if manifest.policy_version != request.policy_version:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"announcement for policy_version "
                           f"{request.policy_version} carries a manifest for {manifest.policy_version}")
-        self._run(context, self._state.announce_version, manifest, request.trainer_step)
+        _answer(context, self._state.announce_version, manifest, request.trainer_step)
         return pb.Ack()
 
     def GetManifest(self, request, context):
-        return convert.manifest_to_proto(self._run(context, self._state.get_manifest, request.policy_version))
+        return convert.manifest_to_proto(_answer(context, self._state.get_manifest, request.policy_version))
 
     def AckVersion(self, request, context):
-        committed = self._run(context, self._state.ack_version, request.engine_id, request.policy_version,
+        committed = _answer(context, self._state.ack_version, request.engine_id, request.policy_version,
                               request.layout_digest)
         return pb.AckReply(committed_version=committed)
 
@@ -403,7 +401,7 @@ class _Servicer(pb_grpc.CoordinatorServicer):
         return convert.status_to_proto(self._state.status())
 
     def SetMaxStaleness(self, request, context):
-        return pb.MaxStaleness(value=self._run(context, self._state.set_max_staleness, request.value))
+        return pb.MaxStaleness(value=_answer(context, self._state.set_max_staleness, request.value))
 
 
 class _OpsServicer(pb_grpc.OpsServicer):
@@ -411,28 +409,27 @@ class _OpsServicer(pb_grpc.OpsServicer):
 
     def __init__(self, state: CoordinatorState):
         self._state = state
-        self._run = _Servicer._run
 
     def Status(self, request, context):
         return convert.status_to_proto(self._state.status())
 
     def PauseRollout(self, request, context):
-        return pb.OpsReply(message=self._run(self, context, self._state.pause_rollout, request.reason))
+        return pb.OpsReply(message=_answer(context, self._state.pause_rollout, request.reason))
 
     def ResumeRollout(self, request, context):
-        return pb.OpsReply(message=self._run(self, context, self._state.resume_rollout, request.reason))
+        return pb.OpsReply(message=_answer(context, self._state.resume_rollout, request.reason))
 
     def SetMaxStaleness(self, request, context):
-        return pb.MaxStaleness(value=self._run(self, context, self._state.set_max_staleness, request.value))
+        return pb.MaxStaleness(value=_answer(context, self._state.set_max_staleness, request.value))
 
     def Checkpoint(self, request, context):
         remaining = context.time_remaining()
         timeout = 3600.0 if remaining is None else max(0.0, remaining - 0.5)
-        step, version, path = self._run(self, context, self._state.request_checkpoint, timeout)
+        step, version, path = _answer(context, self._state.request_checkpoint, timeout)
         return pb.CheckpointReply(step=step, policy_version=version, path=path)
 
     def Stop(self, request, context):
-        return pb.OpsReply(message=self._run(self, context, self._state.request_stop, request.reason))
+        return pb.OpsReply(message=_answer(context, self._state.request_stop, request.reason))
 
     def WatchMetrics(self, request, context):
         if request.from_step < 0:

@@ -69,6 +69,10 @@ class EngineStatus:
     tokens_per_s: float = 0.0  # generated tokens per second over the last step
 
 
+# ClusterStatus's driver-side run fields (defaults when a coordinator has no run); same names in the proto.
+RUN_FIELDS = ("trainer_version", "buffer_groups", "inflight_groups", "rollout_paused", "phase", "total_steps")
+
+
 @dataclass(frozen=True)
 class ClusterStatus:
     """A snapshot of the coordinator: what ``GetStatus`` and ``disagg ctl status`` show."""
@@ -112,6 +116,5 @@ class ClusterStatus:
             trainer_step=int(d["trainer_step"]),
             run_dir=d["run_dir"],
             started_unix_s=float(d["started_unix_s"]),
-            **{k: d[k] for k in ("trainer_version", "buffer_groups", "inflight_groups", "rollout_paused", "phase",
-                                 "total_steps") if k in d},
+            **{k: d[k] for k in RUN_FIELDS if k in d},
         )

@@ -68,6 +68,8 @@ def _build_and_warm_start(cfg: Config, out: Path) -> None:
     import torch
     from tqdm import tqdm
 
+    from disagg.trainer.grpo import linear_warmup
+
     from disagg.model.tiny import build_model, build_tokenizer, save_checkpoint
 
     model = build_model(cfg.model.tiny, seed=cfg.model.seed)
@@ -77,7 +79,7 @@ def _build_and_warm_start(cfg: Config, out: Path) -> None:
         torch.manual_seed(cfg.model.seed)
         seqs = _sft_sequences(cfg, tok, ws.steps * ws.batch_size)
         opt = torch.optim.AdamW(model.parameters(), lr=ws.lr)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / (ws.warmup_steps + 1)))
+        sched = linear_warmup(opt, ws.warmup_steps)
         model.train()
         bar = tqdm(range(ws.steps), desc="warm start", unit="step", disable=not cfg.logging.progress)
         for step in bar:

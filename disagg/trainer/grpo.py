@@ -111,3 +111,8 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
     """Log-prob of ``targets`` under ``logits / temperature`` ([B, T, V] -> [B, T])."""
     logits = logits.float() / temperature
     return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def linear_warmup(opt: torch.optim.Optimizer, warmup_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """Learning rate ramping linearly over the first ``warmup_steps`` optimizer steps, then constant."""
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda k: min(1.0, (k + 1) / (warmup_steps + 1)))

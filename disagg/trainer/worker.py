@@ -24,7 +24,7 @@ from disagg.cluster import pin_process
 from disagg.config import AlgorithmConfig, TrainerConfig, TransportConfig
 from disagg.logs import setup_logging
 from disagg.samples import TrainSample
-from disagg.trainer.grpo import ppo_clip_loss, token_logprobs
+from disagg.trainer.grpo import linear_warmup, ppo_clip_loss, token_logprobs
 
 log = logging.getLogger("disagg.trainer")
 
@@ -94,8 +94,7 @@ class TrainerWorker:
         self.model = model
         self.opt = torch.optim.AdamW(model.parameters(), lr=self.cfg.lr, betas=self.cfg.betas,
                                      weight_decay=self.cfg.weight_decay)
-        warmup = self.cfg.warmup_steps
-        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda k: min(1.0, (k + 1) / (warmup + 1)))
+        self.sched = linear_warmup(self.opt, self.cfg.warmup_steps)
         n = sum(p.numel() for p in model.parameters())
         log.info("model loaded from %s (%d parameters%s)", self.model_path, n,
                  f", FSDP2 over {self.world_size} ranks" if self.world_size > 1 else "")
@@ -227,8 +226,9 @@ class TrainerWorker:
         """Write the model (HF layout, safetensors) and the optimizer/scheduler/RNG state under ``path``.
 
         Every rank must call this (under FSDP the full state dicts are gathered collectively);
-        rank 0 writes the model and the full optimizer state, so a checkpoint written by N
-        workers loads into M. Each rank writes its own RNG state.
+        rank 0 writes the model and the full optimizer state keyed by parameter name, so a
+        resume (not built yet) can load a checkpoint written by N workers into M. Each rank
+        writes its own RNG state.
         """
         out = Path(path)
         out.mkdir(parents=True, exist_ok=True)
