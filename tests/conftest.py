@@ -20,6 +20,26 @@ SMALL = {
 }
 
 
+# The same small settings as command-line overrides, for tests that run `disagg` as a subprocess.
+SMALL_CLI = [
+    "trainer.micro_batch_size=32",
+    "rollout.max_model_len=32",
+    "algorithm.group_size=4",
+    "algorithm.prompts_per_step=4",
+    "model.warmstart.steps=30",
+    "logging.progress=false",
+]
+
+
+def disagg_process(args: list[str], **kw):
+    """``python -m disagg ARGS`` as a user runs it, output captured as text, unbuffered."""
+    import subprocess
+    import sys
+
+    return subprocess.Popen([sys.executable, "-m", "disagg", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}, **kw)
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 

@@ -5,29 +5,14 @@ from __future__ import annotations
 
 import io
 import json
-import os
-import subprocess
-import sys
 import time
 from contextlib import redirect_stdout
 from pathlib import Path
 
 from disagg.metrics import REQUIRED_KEYS
+from tests.conftest import SMALL_CLI, disagg_process
 
-SMALL_ARGS = [
-    "trainer.total_steps=3",
-    "trainer.micro_batch_size=32",
-    "rollout.max_model_len=32",
-    "algorithm.group_size=4",
-    "algorithm.prompts_per_step=4",
-    "model.warmstart.steps=30",
-    "logging.progress=false",
-]
-
-
-def _disagg(args, **kw):
-    return subprocess.Popen([sys.executable, "-m", "disagg", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}, **kw)
+SMALL_ARGS = ["trainer.total_steps=3", *SMALL_CLI]
 
 
 def _ctl(argv) -> tuple[int, str]:
@@ -42,7 +27,7 @@ def _ctl(argv) -> tuple[int, str]:
 def test_train_three_steps_writes_metrics_and_ctl_sees_the_live_run(tmp_path, model_cache):
     root = tmp_path / "runs"
     run_dir = root / "cli-run"
-    proc = _disagg(["train", *SMALL_ARGS, f"model.cache_dir={model_cache}", f"logging.root_dir={root}",
+    proc = disagg_process(["train", *SMALL_ARGS, f"model.cache_dir={model_cache}", f"logging.root_dir={root}",
                     f"hydra.run.dir={run_dir}"])
     addr_file = run_dir / "coordinator.addr"
     seen_status = None
@@ -86,7 +71,7 @@ def test_train_three_steps_writes_metrics_and_ctl_sees_the_live_run(tmp_path, mo
 
 def test_invalid_config_fails_before_any_actor_starts(tmp_path):
     t0 = time.monotonic()
-    proc = _disagg(["train", "trainer.num_workers=0", f"logging.root_dir={tmp_path}"])
+    proc = disagg_process(["train", "trainer.num_workers=0", f"logging.root_dir={tmp_path}"])
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 2
     assert "trainer.num_workers=0" in err
@@ -122,7 +107,7 @@ def test_user_model_data_and_reward_path_train_and_generate(tmp_path, model_cach
     common = [f"model.path={model_dir}", f"data.train_files=[{data}]", "data.prompt_key=question",
               "reward.name=null", "reward.path=disagg.tasks.reverse:reverse_digits_reward"]
     run_dir = tmp_path / "train-run"
-    proc = _disagg(["train", *SMALL_ARGS, "trainer.total_steps=2", *common, f"hydra.run.dir={run_dir}"])
+    proc = disagg_process(["train", *SMALL_ARGS, "trainer.total_steps=2", *common, f"hydra.run.dir={run_dir}"])
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-3000:]
     recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -132,7 +117,7 @@ def test_user_model_data_and_reward_path_train_and_generate(tmp_path, model_cach
     # Standalone engines on the real weights: greedy (temperature 0, allowed in generate), every
     # sample is the checkpoint's greedy answer, exactly as HF computes it from the same directory.
     gen_dir = tmp_path / "gen-run"
-    proc = _disagg(["generate", *SMALL_ARGS, *common, "rollout.temperature=0", f"hydra.run.dir={gen_dir}"])
+    proc = disagg_process(["generate", *SMALL_ARGS, *common, "rollout.temperature=0", f"hydra.run.dir={gen_dir}"])
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-3000:]
     rows = [json.loads(x) for x in (gen_dir / "samples.jsonl").read_text().splitlines()]

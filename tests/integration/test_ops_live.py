@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import os
 import stat
-import subprocess
-import sys
 import threading
 import time
 
@@ -15,16 +13,9 @@ import pytest
 
 from disagg.control.auth import read_token
 from disagg.control.client import ControlRpcError, CoordinatorClient
+from tests.conftest import SMALL_CLI, disagg_process
 
-ARGS = [
-    "trainer.total_steps=2000",  # far more than the test lets it run: it ends on Stop
-    "trainer.micro_batch_size=32",
-    "rollout.max_model_len=32",
-    "algorithm.group_size=4",
-    "algorithm.prompts_per_step=4",
-    "model.warmstart.steps=30",
-    "logging.progress=false",
-]
+ARGS = ["trainer.total_steps=2000", *SMALL_CLI]  # far more steps than the test lets it run: it ends on Stop
 
 
 def _wait(cond, timeout_s: float, what: str, proc=None):
@@ -43,9 +34,7 @@ def _wait(cond, timeout_s: float, what: str, proc=None):
 @pytest.fixture(scope="module")
 def live_run(tmp_path_factory, model_cache):
     run_dir = tmp_path_factory.mktemp("ops") / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "disagg", "train", *ARGS, f"model.cache_dir={model_cache}",
-                             f"hydra.run.dir={run_dir}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = disagg_process(["train", *ARGS, f"model.cache_dir={model_cache}", f"hydra.run.dir={run_dir}"])
     try:
         _wait(lambda: (run_dir / "coordinator.addr").exists() and (run_dir / "control.token").exists(), 300,
               "the coordinator's address and token", proc)
