@@ -90,14 +90,10 @@ class Job:
         (self.run_dir / "coordinator.addr").write_text(self.coordinator.address + "\n")
         log.info("coordinator listening on %s (token in %s)", self.coordinator.address, token_path)
         self.pools = create_pools(cfg, device)
-        state = self.coordinator.state
-        for name, pg, bundle, n, workers in [
-            ("trainer", self.pools.trainer_pg, self.pools.trainer_bundle, cfg.trainer.num_workers, cfg.trainer.num_workers),
-            ("rollout", self.pools.rollout_pg, self.pools.rollout_bundle,
-             cfg.rollout.num_engines * cfg.rollout.tensor_parallel_size, cfg.rollout.num_engines),
-        ]:
-            res = ",".join(f"{k}:{v:g}" for k, v in bundle.items())
-            state.register_pool(PoolStatus(name, n, res, pg.id.hex(), workers))
+        res = ",".join(f"{k}:{v:g}" for k, v in self.pools.trainer_bundle.items())
+        self.coordinator.state.register_pool(PoolStatus("trainer", cfg.trainer.num_workers, res,
+                                                        self.pools.trainer_pg.id.hex(), cfg.trainer.num_workers))
+        self.register_rollout_pool(cfg.rollout.num_engines)
         t0 = time.perf_counter()
         self.rollout = RolloutPool(cfg, self.pools.rollout_pg, device, str(self.model_path), self.control_client())
         self.trainer = TrainerGroup(cfg, self.pools.trainer_pg, device, str(self.model_path))
@@ -105,6 +101,26 @@ class Job:
         log.info("pools up in %.1fs (engine start %s s)", time.perf_counter() - t0,
                  ", ".join(f"{s:.1f}" for s in self.engine_start_s))
         self.init_transport()
+
+    def register_rollout_pool(self, num_engines: int) -> None:
+        """Tell the coordinator the rollout pool's size (at start and after every scale step)."""
+        from disagg.control.types import PoolStatus
+
+        res = ",".join(f"{k}:{v:g}" for k, v in self.pools.rollout_bundle.items())
+        tp = self.cfg.rollout.tensor_parallel_size
+        self.coordinator.state.register_pool(PoolStatus("rollout", num_engines * tp, res,
+                                                        self.pools.rollout_pg.id.hex(), num_engines))
+
+    def change_engines(self, members: list[tuple[int, object]]) -> None:
+        """Make ``members`` ((engine id, handle), in rank order) the engines of the transport group:
+        rebuilt with a new epoch (a member that does not join fails the rendezvous within
+        ``transport.timeout_s``). Call only between syncs."""
+        before = list(self.rollout.engine_ids)
+        self.rollout.set_members(members)
+        self.init_transport()
+        self.register_rollout_pool(len(members))
+        log.info("rollout engines %s -> %s (transport epoch %d)", before, self.rollout.engine_ids,
+                 self.transport_epoch)
 
     def control_client(self):
         """A coordinator client for actors (pickled to them: address, token, TLS root; no channel)."""
@@ -129,6 +145,7 @@ class Job:
                                                               timeout_s=t, group_name=name)
                 for r, (h, p, name) in enumerate(endpoints)]
         refs += self.rollout.init_transport_async(endpoints, world, self.backend, t)
+        self.coordinator.state.set_transport_members(self.rollout.engine_ids)
         what = f"transport rendezvous ({n_groups} group(s) of {world} ranks, epoch {self.transport_epoch})"
         try:
             ray_get_logged(refs, what=what, timeout_s=t + 30, log=log)
@@ -154,7 +171,7 @@ class Job:
         """Wait for every party of a started sync; one TransportError naming each failed party."""
         policy_version, t0, refs = pending.policy_version, pending.t0, pending.refs
         names = [f"trainer rank {w}" for w in range(len(self.trainer.workers))]
-        names += [f"engine {e}" for e in range(len(self.rollout.engines))]
+        names += [f"engine {e}" for e in self.rollout.engine_ids]
         try:
             outs = ray_get_logged(refs, what=f"weight sync v{policy_version}", timeout_s=self.cfg.transport.timeout_s + 30,
                                   log=log)

@@ -227,6 +227,19 @@ class Pipeline:
         self.stopped: str | None = None  # the stop request's reason, when the run ended on one
         self.abandoned_groups = 0  # groups still generating when a stop ended the run
         self.last_done: tuple[int, int] = (0, 0)  # (step, policy version after it) of the last finished step
+        # The elastic rollout pool (Ops.ScaleRollout), by engine id: engines taking new groups,
+        # engines finishing theirs before they leave at the next sync, engines starting, engines
+        # started and joining the transport group at the next sync, engines that joined and take
+        # groups once that sync lands.
+        self.serving: list[int] = []
+        self.draining: set[int] = set()
+        self.launching: dict[Any, tuple[int, Any, float]] = {}  # start ref -> (engine id, handle, t0)
+        self.joining: dict[int, Any] = {}
+        self.joined: list[int] = []
+        self.fate: Counter = Counter()  # what became of each prompt group drawn: trained / dropped / ...
+        self.trained_by_engine: Counter = Counter()  # trained groups per engine id
+        self.first_trained_version: dict[int, int] = {}  # engine id -> oldest token version of its first trained group
+        self.join_version: dict[int, int] = {}  # engine id -> the version whose sync it joined at (scale-up)
 
     # ---- actors ------------------------------------------------------------------------
     def _start_rewards(self) -> None:
@@ -289,16 +302,18 @@ class Pipeline:
         sync_record: StepRecord | None = None  # the step whose weights pending_sync carries
         queued: StepRecord | None = None  # a trained step waiting for the previous sync to finish
         seen_done: set = set()  # trainer / sync refs already finished (their step or sync not complete yet)
-        engines = self.job.rollout.engines
-        load = [0] * len(engines)
+        pool = self.job.rollout
+        self.serving = list(pool.engine_ids)
+        load = {eid: 0 for eid in pool.engine_ids}  # groups in flight per engine
         t_last = time.perf_counter()
         t_idle_from: float | None = time.perf_counter()  # trainer free (step done, weights pushed) since
         idle_s = 0.0
         gen_tokens = 0
         latencies: list[float] = []  # generation time of the groups finished since the last step
         stall_limit = self.cfg.cluster.actor_timeout_s
-        engine_tokens = [0] * len(engines)
-        state.set_run_stats(total_steps=last_step, trainer_version=version)
+        engine_tokens = {eid: 0 for eid in pool.engine_ids}
+        state.set_run_stats(total_steps=last_step, trainer_version=version, target_engines=len(self.serving))
+        state.set_scale_check(self._scale_check)
         state.set_phase("running")
         t_event = time.perf_counter()
         next_log = self.cfg.rollout.wait_log_interval_s  # seconds without an event before the next progress line
@@ -309,12 +324,13 @@ class Pipeline:
                     self.stopped = reason
                     last_step = step + (1 if train_refs is not None else 0)
                     log.warning("stop requested (%s): ending after step %d", reason, last_step)
+                self._apply_scale(state, step + (1 if train_refs is not None else 0) < last_step)
                 paused = state.rollout_paused()
                 next_train = version + (1 if train_refs is not None else 0)
                 admitted = 0 if paused else self.sched.admit(engine_version, next_train, limit)
                 if step + (1 if train_refs is not None else 0) < last_step:
                     for _ in range(admitted):
-                        ref, gid = self._submit(engines, load, engine_version)
+                        ref, gid = self._submit(load, engine_version)
                         gen[ref] = gid
                 # The trainer is free once its step is done and its weights are pushed (the engines
                 # may still be loading them); one finished step may wait for its sync.
@@ -332,6 +348,7 @@ class Pipeline:
                     batch = self.sched.take_batch(version, limit)
                     if batch is not None:
                         record = StepRecord(step + 1, version, batch, time.perf_counter(), limit)
+                        self.fate["taken"] += len(batch)
                         idle_s += record.t_batch - t_idle_from
                         t_idle_from = None
                         samples = [s for g in batch for s in g.samples]
@@ -340,7 +357,7 @@ class Pipeline:
                 # Trainer and sync refs already seen done stay out: ray.wait would return them at
                 # once and the driver would spin (stealing a core) until their siblings finish.
                 busy = (train_refs or []) + (pending_sync.refs if pending_sync else [])
-                waitables = list(gen) + list(scoring) + [r for r in busy if r not in seen_done]
+                waitables = list(gen) + list(scoring) + list(self.launching) + [r for r in busy if r not in seen_done]
                 if not waitables and (paused or step >= last_step):  # paused by the operator: wait for resume
                     time.sleep(0.2)
                     t_event = time.perf_counter()
@@ -366,13 +383,16 @@ class Pipeline:
                     continue
                 t_event, next_log = time.perf_counter(), self.cfg.rollout.wait_log_interval_s
                 ready, _ = ray.wait(waitables, num_returns=len(waitables), timeout=0)
-                seen_done.update(r for r in ready if r not in gen and r not in scoring)
+                seen_done.update(r for r in ready if r not in gen and r not in scoring and r not in self.launching)
                 for ref in ready:
-                    if ref in gen:
+                    if ref in self.launching:
+                        self._launched(ref, state)
+                    elif ref in gen:
                         gid = gen.pop(ref)
                         group = self.sched.inflight[gid]
                         if group.engine >= 0:
                             load[group.engine] -= 1
+                            engine_tokens.setdefault(group.engine, 0)
                         try:
                             group.result = ray.get(ref)[0]
                         except ray.exceptions.RayActorError as e:
@@ -386,6 +406,7 @@ class Pipeline:
                         latencies.append(time.perf_counter() - group.t_submit)
                         if not self.scorer.check_group(group.result, self.counts):
                             self.sched.finished(gid, None)
+                            self.fate["dropped_invalid"] += 1
                             continue
                         self._held.append((gid, [c.final_text if c.final_text is not None else
                                                  self.decode(c.response_ids) for c in group.result.completions]))
@@ -408,7 +429,7 @@ class Pipeline:
                     version += 1
                     step += 1
                     if pending_sync is None:
-                        pending_sync, sync_record = self.job.start_sync(version, step), record
+                        pending_sync, sync_record = self._start_sync(version, step, load, engine_tokens), record
                     else:
                         queued = record
                 if pending_sync is not None and all(r in ready or _is_done(r) for r in pending_sync.refs):
@@ -416,8 +437,13 @@ class Pipeline:
                     seen_done.difference_update(pending_sync.refs)
                     pending_sync, done = None, sync_record
                     engine_version = sync.policy_version
+                    if self.joined:  # they serve the trainer's weights now: give them groups
+                        log.info("engines %s serve version %d: taking prompt groups", self.joined, engine_version)
+                        self.serving += self.joined
+                        self.joined = []
                     if queued is not None:  # its weights are the trainer's current ones
-                        pending_sync, sync_record, queued = self.job.start_sync(version, queued.step), queued, None
+                        pending_sync, sync_record, queued = (self._start_sync(version, queued.step, load, engine_tokens),
+                                                             queued, None)
                     now = time.perf_counter()
                     rec = self._record(done, sync, now - t_last, idle_s, gen_tokens, done.limit)
                     rec["rollout/group_seconds_max"] = max(latencies, default=0.0)
@@ -425,12 +451,11 @@ class Pipeline:
                     step_s = max(now - t_last, 1e-9)
                     state.set_run_stats(trainer_version=version, buffer_groups=len(self.sched.ready),
                                         inflight_groups=len(gen) + len(scoring),
-                                        engine_load={i: (load[i], engine_tokens[i] / step_s)
-                                                     for i in range(len(engines))})
+                                        engine_load={i: (load[i], engine_tokens.get(i, 0) / step_s) for i in load})
                     state.publish_metrics(done.step, rec)
                     self.last_done = (done.step, sync.policy_version)
                     t_last, idle_s, gen_tokens, latencies = now, 0.0, 0, []
-                    engine_tokens = [0] * len(engines)
+                    engine_tokens = {eid: 0 for eid in load}
                     self.records.append(rec)
                     if self.metrics is not None:
                         self.metrics.log(done.step, rec)
@@ -440,11 +465,18 @@ class Pipeline:
                         self.on_step(done.step, rec)
             self.abandoned_groups = len(gen)
         finally:
+            state.set_scale_check(None)
             self.close()
+            # Engines that never became members are not the job's to shut down.
+            for eid, handle, _ in list(self.launching.values()):
+                pool.retire(eid, handle)
+            for eid, handle in self.joining.items():
+                pool.retire(eid, handle)
+            self.launching, self.joining = {}, {}
         return self.records
 
-    def _submit(self, engines: list, load: list[int], engine_version: int):
-        """Send the next prompt's group to the engine with the fewest groups in flight."""
+    def _submit(self, load: dict[int, int], engine_version: int):
+        """Send the next prompt's group to the serving engine with the fewest groups in flight."""
         row = next(self.source)
         gid = self._next_gid
         self._next_gid += 1
@@ -455,12 +487,146 @@ class Pipeline:
             self.sched.submitted(Group(gid, row.row, (), -1, engine_version, time.perf_counter()))
             runner = self.runners[gid % len(self.runners)]
             return runner.run_group.remote(gid, row.row["messages"], sampling), gid
-        e = min(range(len(engines)), key=lambda i: (load[i], (i - self._rr) % len(engines)))
+        serving = self.serving
+        k = min(range(len(serving)), key=lambda i: (load[serving[i]], (i - self._rr) % len(serving)))
+        e = serving[k]
         self._rr += 1
         load[e] += 1
         prompt = self.encode(row.prompt)
         self.sched.submitted(Group(gid, row.row, prompt, e, engine_version, time.perf_counter()))
-        return engines[e].generate.remote([GenRequest(f"g{gid}", prompt, sampling)]), gid
+        return self.job.rollout.handle(e).generate.remote([GenRequest(f"g{gid}", prompt, sampling)]), gid
+
+    # ---- the elastic rollout pool ------------------------------------------------------------
+    def _active_engines(self) -> int:
+        """Engines the pool will have once the ones starting have joined and the draining ones left."""
+        return len(self.serving) + len(self.joined) + len(self.joining) + len(self.launching)
+
+    def _scale_check(self, num_engines: int) -> str | None:
+        """Why ``num_engines`` engines cannot run, or None (called from a gRPC thread)."""
+        import ray
+
+        if self.agent:
+            return ("agent tasks cannot scale their rollout pool yet: the agent runners hold a fixed set of "
+                    "engine addresses; restart the job with rollout.num_engines=N")
+        more = num_engines - self._active_engines() - len(self.draining)  # draining ones are taken back first
+        if more <= 0:
+            return None
+        pool = self.job.rollout
+        need = {k: v * pool.tp for k, v in self.job.pools.rollout_bundle.items() if v > 0}
+        avail = ray.available_resources()
+        fits = min(int(avail.get(k, 0.0) // v) for k, v in need.items()) if need else more
+        room = pool.free_bundles() + fits
+        if more > room:
+            have = ", ".join(f"{k} {avail.get(k, 0.0):g}" for k in need)
+            return (f"the cluster has room for {room} more engine(s), {num_engines} engines need {more} more: each "
+                    f"needs {', '.join(f'{k} {v:g}' for k, v in need.items())} and the cluster has {have} "
+                    f"available; add nodes or ask for fewer")
+        return None
+
+    def _apply_scale(self, state, more_steps: bool) -> None:
+        """Move towards the operator's target: launch or take back engines, or drain the newest ones."""
+        target = state.scale_target()
+        pool = self.job.rollout
+        limit = self.cfg.cluster.placement_timeout_s + self.cfg.rollout.start_timeout_s
+        for ref, (eid, handle, t0) in list(self.launching.items()):
+            if time.perf_counter() - t0 > limit:
+                del self.launching[ref]
+                self._launch_failed(state, eid, handle, f"not started after {limit:.0f} s "
+                                    "(cluster.placement_timeout_s + rollout.start_timeout_s)")
+        if target is None or not more_steps:
+            return
+        active = self._active_engines()
+        while active < target:
+            if self.draining:  # it has the weights and is still a member: just give it groups again
+                eid = max(self.draining)
+                self.draining.discard(eid)
+                self.serving.append(eid)
+                pool.handle(eid).set_draining.remote(False, "taken back: the pool scaled up again")
+                log.info("engine %d taken back from draining", eid)
+            else:
+                eid, handle, ref = pool.launch()
+                self.launching[ref] = (eid, handle, time.perf_counter())
+                self.fate["engines_launched"] += 1
+            active += 1
+        while active > target:
+            if self.launching:  # not serving yet: cancel the newest first
+                ref = next(reversed(self.launching))
+                eid, handle, _ = self.launching.pop(ref)
+                pool.retire(eid, handle)
+                state.remove_engine(eid)
+            elif self.joining or self.joined:
+                if self.joining:
+                    eid = max(self.joining)
+                    pool.retire(eid, self.joining.pop(eid))
+                    state.remove_engine(eid)
+                else:  # a member already, waiting for its first sync to land: drain it like the others
+                    eid = self.joined.pop()
+                    self.draining.add(eid)
+                    pool.handle(eid).set_draining.remote(True, "scaled down before it took groups")
+            else:
+                eid = max(self.serving)
+                self.serving.remove(eid)
+                self.draining.add(eid)
+                pool.handle(eid).set_draining.remote(True, f"scaled down to {target}: finishing its groups")
+                log.info("engine %d draining (scale to %d engines)", eid, target)
+            active -= 1
+
+    def _launched(self, ref, state) -> None:
+        """An engine launched by a scale-up is up on dummy weights (or failed to start)."""
+        import ray
+
+        eid, handle, t0 = self.launching.pop(ref)
+        try:
+            ray.get(ref)
+        except Exception as e:  # noqa: BLE001 - a failed start lowers the target; the run goes on
+            self._launch_failed(state, eid, handle, f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}")
+            return
+        self.joining[eid] = handle
+        log.info("engine %d started in %.1f s: joins the transport group at the next weight sync", eid,
+                 time.perf_counter() - t0)
+
+    def _launch_failed(self, state, eid: int, handle, why: str) -> None:
+        log.error("engine %d could not start (%s): the rollout pool stays at %d engines", eid, why,
+                  self._active_engines())
+        self.job.rollout.retire(eid, handle)
+        state.remove_engine(eid)
+        self.fate["engine_start_failures"] += 1
+        state.set_scale_target(self._active_engines(), f"engine {eid} failed to start: {why}")
+
+    def _start_sync(self, version: int, step: int, load: dict[int, int], engine_tokens: dict[int, int]):
+        """Start the sync of ``version``; first, at this point between syncs, let started engines
+        join the transport group and drained ones leave it (one rebuild, a new epoch)."""
+        leaving = [eid for eid in self.draining if load.get(eid, 0) == 0]
+        if self.joining or leaving:
+            pool = self.job.rollout
+            gone = {eid: pool.handle(eid) for eid in leaving}
+            members = [(eid, h) for eid, h in zip(pool.engine_ids, pool.engines) if eid not in gone]
+            members += list(self.joining.items())
+            t0 = time.perf_counter()
+            self.job.change_engines(members)
+            for eid, handle in gone.items():
+                pool.retire(eid, handle)
+                self.job.coordinator.state.remove_engine(eid)
+                self.draining.discard(eid)
+                load.pop(eid, None)
+                engine_tokens.pop(eid, None)
+                self.fate["engines_left"] += 1
+            for eid in self.joining:
+                self.join_version[eid] = version
+                load[eid] = 0
+                engine_tokens[eid] = 0
+                self.fate["engines_joined"] += 1
+            self.joined += list(self.joining)
+            self.joining = {}
+            log.info("rollout pool rebuilt in %.2f s: engines %s (%s joined, %s left)", time.perf_counter() - t0,
+                     pool.engine_ids, self.joined or "none", sorted(gone) or "none")
+        return self.job.start_sync(version, step)
+
+    def prompts_lost(self) -> int:
+        """Prompt groups drawn from the data that were neither handed to the trainer, dropped (counted),
+        nor are still generating, scoring or waiting in the buffer. Always 0 unless a group went missing."""
+        dropped = self.fate["dropped_invalid"] + self.sched.counts["dropped_stale_groups"]
+        return self._next_gid - self.fate["taken"] - dropped - len(self.sched.inflight) - len(self.sched.ready)
 
     def _score(self, gid: int, texts: list[str]) -> dict:
         """Send a finished group to a reward worker (its ref -> gid), or score it here when there are none."""
@@ -484,6 +650,10 @@ class Pipeline:
         rewards = [r for g in record.groups for r in g.rewards]
         stale = [record.version_trained - s.policy_version for s in samples]
         tokens = sum(s.num_trained_tokens for s in samples)
+        self.fate["trained"] += len(record.groups)
+        for g in record.groups:
+            self.trained_by_engine[g.engine] += 1
+            self.first_trained_version.setdefault(g.engine, g.min_version)
         self.trained_tokens += tokens
         self.trained_samples += len(samples)
         counts = self.counts + self.sched.counts
@@ -505,6 +675,11 @@ class Pipeline:
             "samples/reward_errors": counts["reward_errors"],
             **{f"samples/{k}": v for k, v in counts.items() if k not in ("dropped_stale", "reward_errors")},
             "data/skipped_rows": getattr(self.data, "num_skipped", 0),
+            "rollout/prompts_drawn": self._next_gid,
+            "rollout/prompts_lost": self.prompts_lost(),
+            "rollout/num_engines": len(self.serving),
+            "rollout/engines_joined": self.fate["engines_joined"],
+            "rollout/engines_left": self.fate["engines_left"],
             "rollout/inflight_groups": len(self.sched.inflight),
             "rollout/ready_groups": len(self.sched.ready),
             "rollout/tokens_per_s": gen_tokens / step_s if step_s > 0 else 0.0,

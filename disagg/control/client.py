@@ -117,6 +117,10 @@ class CoordinatorClient:
     def resume_rollout(self, reason: str = "") -> str:
         return self._call("ResumeRollout", pb.OpsRequest(reason=reason), service="ops").message
 
+    def scale_rollout(self, num_engines: int, reason: str = "") -> str:
+        """Ops.ScaleRollout: returns at once; ``status()`` shows engines joining or draining."""
+        return self._call("ScaleRollout", pb.ScaleRequest(num_engines=num_engines, reason=reason), service="ops").message
+
     def checkpoint(self, timeout_s: float = 600.0) -> tuple[int, int, str]:
         """Ask for a checkpoint after the step in progress; returns (step, policy version, path) once written."""
         r = self._call("Checkpoint", pb.OpsRequest(), timeout_s=timeout_s, service="ops")

@@ -2,7 +2,7 @@
 
 One subcommand per Ops call: ``status`` (pools, engines with state / version /
 load, trainer step, staleness limit, buffer), ``pause`` / ``resume`` (the
-rollout), ``set-staleness N``, ``checkpoint``, ``stop`` (graceful: finish the
+rollout), ``set-staleness N``, ``scale N`` (rollout engines), ``checkpoint``, ``stop`` (graceful: finish the
 step, checkpoint, exit 0) and ``watch`` (per-step metrics as they come).
 ``--run-dir`` finds the job's address and token in its run directory;
 ``--address`` / ``--token`` / ``--token-file`` override them; ``--json`` prints
@@ -64,6 +64,9 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("status", parents=[common], help="pools, engines, versions, buffer")
     stale = sub.add_parser("set-staleness", parents=[common], help="set the max policy staleness of rollouts")
     stale.add_argument("value", type=int, help="max versions a rollout may lag the trainer (>= 0)")
+    scale = sub.add_parser("scale", parents=[common], help="grow or shrink the rollout pool to N engines")
+    scale.add_argument("num_engines", type=int, help="engines once scaling settles (>= 1)")
+    scale.add_argument("--reason", default="", help="logged by the job")
     for name, what in (("pause", "stop starting new prompt groups (in-flight ones finish)"),
                        ("resume", "resume a paused rollout"),
                        ("stop", "finish the step in progress, checkpoint, exit 0")):
@@ -135,6 +138,9 @@ def _run(args, client: CoordinatorClient) -> int:
     elif cmd == "set-staleness":
         value = client.set_max_staleness(args.value)
         _say(args, {"max_staleness": value}, f"max_staleness is now {value}")
+    elif cmd == "scale":
+        message = client.scale_rollout(args.num_engines, args.reason)
+        _say(args, {"message": message, "num_engines": args.num_engines}, message)
     elif cmd in ("pause", "resume", "stop"):
         fn = {"pause": client.pause_rollout, "resume": client.resume_rollout, "stop": client.stop}[cmd]
         message = fn(args.reason)
@@ -182,7 +188,9 @@ def render_status(status: ClusterStatus, console: Console) -> None:
     header.add_row("latest version", str(status.latest_version))
     header.add_row("committed version", str(status.committed_version))
     header.add_row("max staleness", str(status.max_staleness))
-    header.add_row("rollout", "paused" if status.rollout_paused else "running")
+    live = sum(1 for e in status.engines if e.state not in (EngineState.DRAINING, EngineState.DEAD))
+    scaling = f", scaling to {status.target_engines} engines" if status.target_engines and status.target_engines != live else ""
+    header.add_row("rollout", ("paused" if status.rollout_paused else "running") + scaling)
     header.add_row("groups", f"{status.inflight_groups} in flight, {status.buffer_groups} ready to train")
     console.print(header)
 

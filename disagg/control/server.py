@@ -66,9 +66,14 @@ class CoordinatorState:
         self._started_unix_s = time.time()
         # Driver-side run state (the pipeline publishes it; Ops calls steer it).
         self._run = {"trainer_version": 0, "buffer_groups": 0, "inflight_groups": 0, "phase": "starting",
-                     "total_steps": 0}
+                     "total_steps": 0, "target_engines": 0}
         self._engine_load: dict[int, tuple[int, float]] = {}  # engine id -> (groups in flight, tokens/s)
         self._paused = False
+        # ScaleRollout: the driver registers a check (n -> None or why n engines cannot run) and
+        # polls the target; None until a scale request arrives.
+        self._scale_check = None
+        self._members: set[int] | None = None
+        self._scale_target: int | None = None
         self._stop_reason: str | None = None
         self._checkpoint_waiters = 0  # Checkpoint calls waiting for the next written checkpoint
         self._last_checkpoint: tuple[int, int, str] | None = None  # (step, version, path)
@@ -182,10 +187,12 @@ class CoordinatorState:
     # ---- the run, as the driver publishes it --------------------------------------------
     def set_run_stats(self, *, trainer_version: int | None = None, buffer_groups: int | None = None,
                       inflight_groups: int | None = None, total_steps: int | None = None,
-                      engine_load: dict[int, tuple[int, float]] | None = None) -> None:
+                      engine_load: dict[int, tuple[int, float]] | None = None,
+                      target_engines: int | None = None) -> None:
         with self._lock:
             for k, v in (("trainer_version", trainer_version), ("buffer_groups", buffer_groups),
-                         ("inflight_groups", inflight_groups), ("total_steps", total_steps)):
+                         ("inflight_groups", inflight_groups), ("total_steps", total_steps),
+                         ("target_engines", target_engines)):
                 if v is not None:
                     self._run[k] = v
             if engine_load is not None:
@@ -265,6 +272,57 @@ class CoordinatorState:
         with self._lock:
             return self._paused
 
+    def set_scale_check(self, check) -> None:
+        """The driver's ``check(num_engines) -> None | str`` (why that many engines cannot run)."""
+        with self._lock:
+            self._scale_check = check
+
+    def request_scale(self, num_engines: int, reason: str = "") -> str:
+        """Ask the driver to grow or shrink the rollout pool to ``num_engines`` (it acts at the next step)."""
+        if num_engines < 1:
+            raise RejectedError(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"num_engines must be >= 1 (a job needs an engine to generate), got {num_engines}")
+        with self._lock:
+            self._check_running("scale the rollout pool")
+            check, current = self._scale_check, self._run["target_engines"]
+        if check is None:
+            raise RejectedError(grpc.StatusCode.FAILED_PRECONDITION,
+                                "this job cannot scale its rollout pool (no training pipeline is running yet)")
+        why = check(num_engines)
+        if why:
+            raise RejectedError(grpc.StatusCode.FAILED_PRECONDITION, why)
+        with self._lock:
+            self._scale_target = num_engines
+            self._run["target_engines"] = num_engines
+        logger.warning("[ops] rollout pool scaling %d -> %d engines%s", current, num_engines,
+                       f": {reason}" if reason else "")
+        if num_engines == current:
+            return f"the rollout pool already has (or is scaling to) {num_engines} engines"
+        how = ("new engines start on dummy weights, join at the next weight sync and then take prompts"
+               if num_engines > current else
+               "engines stop taking prompts, finish the groups they have and leave at the next weight sync")
+        return f"scaling the rollout pool from {current} to {num_engines} engines: {how}"
+
+    def set_scale_target(self, num_engines: int, why: str) -> None:
+        """The driver settled the pool at ``num_engines`` instead of the target asked for (e.g. an engine
+        failed to start); the status shows it and the driver stops trying."""
+        with self._lock:
+            self._scale_target = num_engines
+            self._run["target_engines"] = num_engines
+        logger.warning("[ops] rollout pool target is now %d engines: %s", num_engines, why)
+
+    def scale_target(self) -> int | None:
+        with self._lock:
+            return self._scale_target
+
+    def remove_engine(self, engine_id: int) -> None:
+        """An engine left the pool (scaled down): it no longer appears in the status."""
+        with self._lock:
+            gone = self._engines.pop(engine_id, None)
+            self._engine_load.pop(engine_id, None)
+        if gone is not None:
+            logger.info("[coordinator] engine %d left the pool", engine_id)
+
     def request_stop(self, reason: str = "") -> str:
         with self._lock:
             self._check_running("stop")
@@ -307,6 +365,27 @@ class CoordinatorState:
             self._checkpoint_seq += 1
             self._changed.notify_all()
 
+    def schedule_checkpoint(self) -> None:
+        """Ask for the next checkpoint without waiting for it (the driver's periodic checkpoints).
+
+        Counted as a Checkpoint waiter from now (``checkpoint_wanted`` is true on return) until a
+        checkpoint is written or the run ends; a short-lived thread holds that place, as the
+        blocking ``request_checkpoint`` does for a gRPC call.
+        """
+        with self._lock:
+            seq = self._checkpoint_seq
+            self._checkpoint_waiters += 1
+
+        def wait() -> None:
+            with self._lock:
+                try:
+                    self._changed.wait_for(lambda: self._checkpoint_seq > seq or self._run["phase"] in
+                                           ("stopped", "failed"))
+                finally:
+                    self._checkpoint_waiters -= 1
+
+        threading.Thread(target=wait, name="scheduled-checkpoint", daemon=True).start()
+
     def _check_running(self, what: str) -> None:
         phase = self._phase_locked()
         if phase in ("stopping", "stopped", "failed"):
@@ -332,11 +411,21 @@ class CoordinatorState:
                 rollout_paused=self._paused,
                 phase=self._phase_locked(),
                 total_steps=self._run["total_steps"],
+                target_engines=self._run["target_engines"],
             )
 
     def _committed_locked(self) -> int:
-        live = [e.policy_version for e in self._engines.values() if e.state.is_live]
+        # Engines outside the transport group (started by a scale-up, joining at the next sync)
+        # receive nothing yet: they do not hold the committed version down.
+        live = [e.policy_version for i, e in self._engines.items()
+                if e.state.is_live and (self._members is None or i in self._members)]
         return min(live) if live else 0
+
+    def set_transport_members(self, engine_ids: list[int]) -> None:
+        """The engines in the transport group (the driver sets it at every rebuild); only they count
+        towards the committed version. Until it is set, every registered engine does."""
+        with self._lock:
+            self._members = set(engine_ids)
 
     def _engine(self, engine_id: int) -> EngineStatus:
         if engine_id not in self._engines:
@@ -421,6 +510,9 @@ class _OpsServicer(pb_grpc.OpsServicer):
 
     def SetMaxStaleness(self, request, context):
         return pb.MaxStaleness(value=_answer(context, self._state.set_max_staleness, request.value))
+
+    def ScaleRollout(self, request, context):
+        return pb.OpsReply(message=_answer(context, self._state.request_scale, request.num_engines, request.reason))
 
     def Checkpoint(self, request, context):
         remaining = context.time_remaining()

@@ -70,7 +70,8 @@ class EngineStatus:
 
 
 # ClusterStatus's driver-side run fields (defaults when a coordinator has no run); same names in the proto.
-RUN_FIELDS = ("trainer_version", "buffer_groups", "inflight_groups", "rollout_paused", "phase", "total_steps")
+RUN_FIELDS = ("trainer_version", "buffer_groups", "inflight_groups", "rollout_paused", "phase", "total_steps",
+              "target_engines")
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,7 @@ class ClusterStatus:
     rollout_paused: bool = False
     phase: str = ""  # starting | running | paused | stopping | stopped
     total_steps: int = 0
+    target_engines: int = 0  # the rollout pool's size once scaling settles (0: no run)
 
     def engine(self, engine_id: int) -> EngineStatus:
         for e in self.engines:

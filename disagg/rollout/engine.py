@@ -47,6 +47,7 @@ class EngineActor:
         self._engine = None
         self._coord = None
         self._registered = False
+        self._draining = False  # scaled down: finishing its groups, takes no new ones
         if coordinator is not None:  # a CoordinatorClient (address, token, TLS root), or "host:port"
             from disagg.control.client import CoordinatorClient
 
@@ -99,7 +100,7 @@ class EngineActor:
             self._registered = True
         log.info("engine started in %.1fs (load_format=%s)", start_s, self.cfg.load_format)
         return {"engine_id": self.engine_id, "start_s": start_s, "node_ip": node, "pid": os.getpid(),
-                "address": self.address}
+                "address": self.address, "node_id": ray.get_runtime_context().get_node_id()}
 
     async def _start_http(self, node_ip: str) -> None:
         """Serve vLLM's OpenAI API from this actor, behind the weights-loaded gate."""
@@ -128,10 +129,19 @@ class EngineActor:
             self._engine.shutdown()
             self._engine = None
 
+    async def set_draining(self, draining: bool, reason: str) -> None:
+        """The driver stopped (or resumed) giving this engine prompts: while draining it reports
+        DRAINING until it leaves the pool."""
+        self._draining = draining
+        if self._weights_loaded.is_set():
+            self._report_state("DRAINING" if draining else "READY", reason)
+
     def _report_state(self, state: str, message: str = "") -> None:
         if self._coord is not None and self._registered:
             from disagg.control.types import EngineState
 
+            if self._draining and state in ("READY", "SYNCING"):  # still synced while a member; still leaving
+                state = "DRAINING"
             self._coord.update_engine_state(self.engine_id, EngineState(state), message)
 
     # ---- weight sync -----------------------------------------------------------------

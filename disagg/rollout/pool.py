@@ -22,37 +22,107 @@ ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 class RolloutPool:
+    """The engines that are members of the transport group, plus the means to add and retire engines.
+
+    ``engines`` / ``engine_ids`` list the members in transport-rank order (engine worker k
+    of member i is rank 1 + i*tp + k); ids are never reused. The first engines sit on the
+    bundles of the pool's placement group; an engine added later takes a bundle an engine
+    that left gave back, else its own placement group (``cluster.bundles``' rollout bundle).
+    """
+
     def __init__(self, cfg: Config, pg, device: str, model_path: str, coordinator=None):
+        self.cfg, self.device, self.model_path, self.coordinator = cfg, device, model_path, coordinator
+        self.timeout_s = cfg.cluster.actor_timeout_s
+        self.tp = cfg.rollout.tensor_parallel_size
+        self.engines: list = []
+        self.engine_ids: list[int] = []
+        self._slots: dict[int, tuple[Any, list[int], bool]] = {}  # engine id -> (pg, bundle indices, own pg)
+        self._free: list[tuple[Any, list[int]]] = []  # bundles of the pool's group that an engine gave back
+        self._next_id = 0
+        for i in range(cfg.rollout.num_engines):
+            eid, handle = self._create(pg, [i * self.tp + k for k in range(self.tp)], own_pg=False)
+            self.engines.append(handle)
+            self.engine_ids.append(eid)
+        self.start_info = ray_get_logged([e.start.remote() for e in self.engines], what="engine start",
+                                         timeout_s=cfg.rollout.start_timeout_s, log=log)
+
+    @property
+    def num_workers(self) -> int:
+        """Transport ranks the members hold (tensor-parallel workers of every member engine)."""
+        return len(self.engines) * self.tp
+
+    def _create(self, pg, bundle_indices: list[int], own_pg: bool):
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from disagg.rollout.engine import EngineActor
 
-        self.cfg = cfg
-        self.timeout_s = cfg.cluster.actor_timeout_s
-        tp = cfg.rollout.tensor_parallel_size
+        cfg, tp, eid = self.cfg, self.tp, self._next_id
+        self._next_id += 1
         env = dict(ENGINE_ENV, VLLM_LOGGING_LEVEL=cfg.rollout.vllm_log_level)
         if tp > 1:  # vLLM's Ray executor places the TP workers on this engine's bundles
             env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
-        cls = ray.remote(EngineActor)
-        self.engines = []
-        for i in range(cfg.rollout.num_engines):
-            e_env = dict(env)
-            if tp > 1:
-                e_env["VLLM_RAY_BUNDLE_INDICES"] = ",".join(str(i * tp + k) for k in range(tp))
-            self.engines.append(
-                cls.options(
-                    num_cpus=cfg.rollout.cpus_per_engine if tp == 1 else 0,
-                    num_gpus=(1 if device == "cuda" else 0) if tp == 1 else 0,
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i * tp),
-                    runtime_env={"env_vars": e_env},
-                    max_concurrency=1000,
-                ).remote(i, model_path, cfg.rollout, coordinator, cfg.control.rpc_timeout_s,
-                         cfg.trainer.seed + 1000 * i, cfg.logging.level, cfg.transport)
-            )
-        self.start_info = ray_get_logged([e.start.remote() for e in self.engines], what="engine start",
-                                         timeout_s=cfg.rollout.start_timeout_s, log=log)
-        self.num_workers = cfg.rollout.num_engines * tp
+            env["VLLM_RAY_BUNDLE_INDICES"] = ",".join(str(b) for b in bundle_indices)
+        handle = ray.remote(EngineActor).options(
+            num_cpus=cfg.rollout.cpus_per_engine if tp == 1 else 0,
+            num_gpus=(1 if self.device == "cuda" else 0) if tp == 1 else 0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle_indices[0]),
+            runtime_env={"env_vars": env},
+            max_concurrency=1000,
+        ).remote(eid, self.model_path, cfg.rollout, self.coordinator, cfg.control.rpc_timeout_s,
+                 cfg.trainer.seed + 1000 * eid, cfg.logging.level, cfg.transport)
+        self._slots[eid] = (pg, bundle_indices, own_pg)
+        return eid, handle
+
+    def launch(self):
+        """Start one more engine (not yet a member): ``(engine id, handle, ref of its start info)``.
+
+        It takes a bundle an engine gave back, else a placement group of its own; the ref
+        resolves once vLLM is up on dummy weights (the caller bounds the wait).
+        """
+        from ray.util.placement_group import placement_group
+
+        from disagg.cluster import bundles
+
+        if self._free:
+            pg, indices = self._free.pop(0)
+            eid, handle = self._create(pg, indices, own_pg=False)
+        else:
+            _, rb = bundles(self.cfg, self.device)
+            pg = placement_group([dict(rb[0]) for _ in range(self.tp)], strategy="PACK",
+                                 name=f"disagg-rollout-engine-{self._next_id}")
+            eid, handle = self._create(pg, list(range(self.tp)), own_pg=True)
+        log.info("engine %d launched (%s)", eid, "own placement group" if self._slots[eid][2] else "a freed bundle")
+        return eid, handle, handle.start.remote()
+
+    def set_members(self, members: list[tuple[int, Any]]) -> None:
+        """The engines of the next transport group, in rank order."""
+        self.engine_ids = [eid for eid, _ in members]
+        self.engines = [h for _, h in members]
+
+    def handle(self, engine_id: int):
+        return self.engines[self.engine_ids.index(engine_id)]
+
+    def retire(self, engine_id: int, handle) -> None:
+        """Shut an engine down and give its bundles back (its own placement group is removed)."""
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        try:
+            ray.get(handle.shutdown.remote(), timeout=30)
+        except Exception as exc:  # noqa: BLE001 - best-effort teardown, logged
+            log.warning("engine %d shutdown failed: %s", engine_id, exc)
+        ray.kill(handle)
+        pg, indices, own = self._slots.pop(engine_id)
+        if own:
+            remove_placement_group(pg)
+        else:
+            self._free.append((pg, indices))
+        log.info("engine %d retired", engine_id)
+
+    def free_bundles(self) -> int:
+        """Bundles of the pool's placement group no engine holds (a scale-up takes these first)."""
+        return len(self._free)
 
     def _get(self, refs, what: str) -> Any:
         return ray_get_logged(refs, what=what, timeout_s=self.timeout_s, log=log)
@@ -80,11 +150,6 @@ class RolloutPool:
         return self._get([e.get_stats.remote() for e in self.engines], "engine stats")
 
     def shutdown(self) -> None:
-        import ray
-
-        for e in self.engines:
-            try:
-                ray.get(e.shutdown.remote(), timeout=30)
-            except Exception as exc:  # noqa: BLE001 - best-effort teardown, logged
-                log.warning("engine shutdown failed: %s", exc)
-            ray.kill(e)
+        for eid, e in list(zip(self.engine_ids, self.engines)):
+            self.retire(eid, e)
+        self.engines, self.engine_ids = [], []

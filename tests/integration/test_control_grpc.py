@@ -224,3 +224,19 @@ def test_call_to_closed_port_fails_within_timeout():
         client.wait_ready(timeout_s=1.0)
     assert time.monotonic() - start < 2.5
     client.close()
+
+
+def test_engines_outside_the_transport_group_do_not_hold_the_commit(client, server):
+    register_cluster(client, num_engines=2)
+    m = manifest(1)
+    client.announce_version(m, trainer_step=1)
+    server.state.set_transport_members([0, 1])
+    client.ack_version(0, 1, m.layout_digest())
+    assert client.ack_version(1, 1, m.layout_digest()) == 1
+    # A scale-up engine registers while it starts: not a member yet, it holds nothing back...
+    client.register_engine(EngineInfo(2, "127.0.0.1", 1002, "", EngineState.WAITING_FOR_WEIGHTS))
+    assert client.get_status().committed_version == 1
+    # ...until it joins the group: then the commit waits for its acknowledgement.
+    server.state.set_transport_members([0, 1, 2])
+    assert client.get_status().committed_version == 0
+    assert client.ack_version(2, 1, m.layout_digest()) == 1

@@ -52,7 +52,7 @@ def test_every_call_needs_the_token(secured):
     for bad in (None, "not-the-token"):
         with CoordinatorClient(srv.address, timeout_s=5, token=bad) as c:
             for call in (c.get_status, c.status, lambda: c.set_max_staleness(3), lambda: c.pause_rollout(),
-                         lambda: list(c.watch_metrics(1))):
+                         lambda: c.scale_rollout(2), lambda: list(c.watch_metrics(1))):
                 with pytest.raises(ControlRpcError) as e:
                     call()
                 assert e.value.code == "UNAUTHENTICATED"
@@ -86,6 +86,22 @@ def test_ops_calls_and_their_status_codes(secured):
         assert e.value.code == "FAILED_PRECONDITION" and "already paused" in e.value.details
         assert c.resume_rollout() == "rollout resumed" and not state.rollout_paused()
 
+        # ScaleRollout: the driver's check decides what the cluster can hold.
+        with pytest.raises(ControlRpcError) as e:
+            c.scale_rollout(2)
+        assert e.value.code == "FAILED_PRECONDITION" and "no training pipeline" in e.value.details
+        state.set_run_stats(target_engines=1)
+        state.set_scale_check(lambda n: f"room for 2 more engine(s), {n} engines need {n - 1} more" if n > 3 else None)
+        with pytest.raises(ControlRpcError) as e:
+            c.scale_rollout(0)
+        assert e.value.code == "INVALID_ARGUMENT" and "got 0" in e.value.details
+        with pytest.raises(ControlRpcError) as e:
+            c.scale_rollout(5)
+        assert e.value.code == "FAILED_PRECONDITION" and "5 engines need 4 more" in e.value.details
+        assert state.scale_target() is None
+        assert "from 1 to 3 engines" in c.scale_rollout(3, "more rollout")
+        assert state.scale_target() == 3 and c.status().target_engines == 3
+
         with pytest.raises(ControlRpcError) as e:
             list(c.watch_metrics(from_step=-3))
         assert e.value.code == "INVALID_ARGUMENT" and "from_step" in e.value.details
@@ -107,7 +123,7 @@ def test_ops_calls_and_their_status_codes(secured):
 
         assert "stopping" in c.stop("end of test")
         assert state.stop_requested() == "end of test" and c.status().phase == "stopping"
-        for call in (c.stop, c.pause_rollout, lambda: c.checkpoint(timeout_s=2)):
+        for call in (c.stop, c.pause_rollout, lambda: c.checkpoint(timeout_s=2), lambda: c.scale_rollout(2)):
             with pytest.raises(ControlRpcError) as e:
                 call()
             assert e.value.code == "FAILED_PRECONDITION" and "stopping" in e.value.details
@@ -172,6 +188,12 @@ def test_ctl_subcommands_with_run_dir(secured, capsys):
     assert '"rollout resumed"' in capsys.readouterr().out
     assert ctl.main(["resume", "--run-dir", str(run_dir)]) == 1
     assert "FAILED_PRECONDITION" in capsys.readouterr().err
+    srv.state.set_run_stats(target_engines=1)
+    srv.state.set_scale_check(lambda n: None)
+    assert ctl.main(["scale", "2", "--run-dir", str(run_dir)]) == 0
+    assert "from 1 to 2 engines" in capsys.readouterr().out and srv.state.scale_target() == 2
+    assert ctl.main(["status", "--run-dir", str(run_dir)]) == 0
+    assert "scaling to 2 engines" in capsys.readouterr().out
     # The address alone is not enough.
     assert ctl.main(["status", "--address", srv.address]) == 1
     assert "UNAUTHENTICATED" in capsys.readouterr().err
