@@ -552,13 +552,13 @@ class Pipeline:
             if self.launching:  # not serving yet: cancel the newest first
                 ref = next(reversed(self.launching))
                 eid, handle, _ = self.launching.pop(ref)
-                pool.retire(eid, handle)
                 state.remove_engine(eid)
+                pool.retire(eid, handle, background=True)
             elif self.joining or self.joined:
                 if self.joining:
                     eid = max(self.joining)
-                    pool.retire(eid, self.joining.pop(eid))
                     state.remove_engine(eid)
+                    pool.retire(eid, self.joining.pop(eid), background=True)
                 else:  # a member already, waiting for its first sync to land: drain it like the others
                     eid = self.joined.pop()
                     self.draining.add(eid)
@@ -588,7 +588,7 @@ class Pipeline:
     def _launch_failed(self, state, eid: int, handle, why: str) -> None:
         log.error("engine %d could not start (%s): the rollout pool stays at %d engines", eid, why,
                   self._active_engines())
-        self.job.rollout.retire(eid, handle)
+        self.job.rollout.retire(eid, handle, background=True)
         state.remove_engine(eid)
         self.fate["engine_start_failures"] += 1
         state.set_scale_target(self._active_engines(), f"engine {eid} failed to start: {why}")
@@ -605,8 +605,8 @@ class Pipeline:
             t0 = time.perf_counter()
             self.job.change_engines(members)
             for eid, handle in gone.items():
-                pool.retire(eid, handle)
                 self.job.coordinator.state.remove_engine(eid)
+                pool.retire(eid, handle, background=True)
                 self.draining.discard(eid)
                 load.pop(eid, None)
                 engine_tokens.pop(eid, None)

@@ -8,6 +8,7 @@ sync. This module does not import vLLM: engines import it in their own process.
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
 
 from disagg.config import Config
@@ -38,6 +39,8 @@ class RolloutPool:
         self.engine_ids: list[int] = []
         self._slots: dict[int, tuple[Any, list[int], bool]] = {}  # engine id -> (pg, bundle indices, own pg)
         self._free: list[tuple[Any, list[int]]] = []  # bundles of the pool's group that an engine gave back
+        self._lock = threading.Lock()  # _slots / _free: engines retire in background threads
+        self._retiring: list[threading.Thread] = []
         self._next_id = 0
         for i in range(cfg.rollout.num_engines):
             eid, handle = self._create(pg, [i * self.tp + k for k in range(self.tp)], own_pg=False)
@@ -71,7 +74,8 @@ class RolloutPool:
             max_concurrency=1000,
         ).remote(eid, self.model_path, cfg.rollout, self.coordinator, cfg.control.rpc_timeout_s,
                  cfg.trainer.seed + 1000 * eid, cfg.logging.level, cfg.transport)
-        self._slots[eid] = (pg, bundle_indices, own_pg)
+        with self._lock:
+            self._slots[eid] = (pg, bundle_indices, own_pg)
         return eid, handle
 
     def launch(self):
@@ -84,8 +88,10 @@ class RolloutPool:
 
         from disagg.cluster import bundles
 
-        if self._free:
-            pg, indices = self._free.pop(0)
+        with self._lock:
+            freed = self._free.pop(0) if self._free else None
+        if freed is not None:
+            pg, indices = freed
             eid, handle = self._create(pg, indices, own_pg=False)
         else:
             _, rb = bundles(self.cfg, self.device)
@@ -103,8 +109,21 @@ class RolloutPool:
     def handle(self, engine_id: int):
         return self.engines[self.engine_ids.index(engine_id)]
 
-    def retire(self, engine_id: int, handle) -> None:
-        """Shut an engine down and give its bundles back (its own placement group is removed)."""
+    def retire(self, engine_id: int, handle, background: bool = False) -> None:
+        """Shut an engine down and give its bundles back (its own placement group is removed).
+
+        ``background``: return at once (vLLM's shutdown takes seconds; a running pipeline must
+        not stall on it); the bundles come back when it is done.
+        """
+        if background:
+            t = threading.Thread(target=self._retire, args=(engine_id, handle), daemon=True,
+                                 name=f"disagg-retire-{engine_id}")
+            self._retiring.append(t)
+            t.start()
+        else:
+            self._retire(engine_id, handle)
+
+    def _retire(self, engine_id: int, handle) -> None:
         import ray
         from ray.util.placement_group import remove_placement_group
 
@@ -113,16 +132,18 @@ class RolloutPool:
         except Exception as exc:  # noqa: BLE001 - best-effort teardown, logged
             log.warning("engine %d shutdown failed: %s", engine_id, exc)
         ray.kill(handle)
-        pg, indices, own = self._slots.pop(engine_id)
+        with self._lock:
+            pg, indices, own = self._slots.pop(engine_id)
+            if not own:
+                self._free.append((pg, indices))
         if own:
             remove_placement_group(pg)
-        else:
-            self._free.append((pg, indices))
         log.info("engine %d retired", engine_id)
 
     def free_bundles(self) -> int:
         """Bundles of the pool's placement group no engine holds (a scale-up takes these first)."""
-        return len(self._free)
+        with self._lock:
+            return len(self._free)
 
     def _get(self, refs, what: str) -> Any:
         return ray_get_logged(refs, what=what, timeout_s=self.timeout_s, log=log)
@@ -150,6 +171,8 @@ class RolloutPool:
         return self._get([e.get_stats.remote() for e in self.engines], "engine stats")
 
     def shutdown(self) -> None:
+        for t in self._retiring:
+            t.join(timeout=60)
         for eid, e in list(zip(self.engine_ids, self.engines)):
             self.retire(eid, e)
         self.engines, self.engine_ids = [], []
