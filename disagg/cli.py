@@ -44,7 +44,10 @@ def _hydra_command(argv: list[str], mode: str) -> int:
             cfg = load_config(OmegaConf.to_container(dc, resolve=True), mode=mode)
             run_dir = Path(cfg.run_dir or HydraConfig.get().runtime.output_dir).resolve()
             try:
-                (run if mode == "train" else run_generate)(cfg, run_dir)
+                if mode == "train":
+                    run_dir = Path(run(cfg, run_dir))  # a resume goes on in the resumed run's directory
+                else:
+                    run_generate(cfg, run_dir)
             finally:
                 import ray
 

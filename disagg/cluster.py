@@ -2,16 +2,20 @@
 
 Trainer workers and rollout engines never share a placement group: each pool
 is sized from its own config keys and placed independently, on one machine or
-many. Waiting for placement logs progress and fails with an error that says
-what was asked for and what the cluster has.
+many. A pool is pinned to nodes by custom resources in its bundles
+(``cluster.*_resources``) or by a node list (``cluster.*_nodes``, a label
+selector on Ray's node id). Waiting for placement logs progress and fails with
+an error that says what was asked for and what the cluster has.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 from disagg.config import Config
 from disagg.errors import ConfigError
@@ -26,6 +30,9 @@ class Pools:
     device: str
     trainer_bundle: dict[str, float]
     rollout_bundle: dict[str, float]
+    rollout_label_selector: dict[str, str] = field(default_factory=dict)
+    """Label selector of every rollout bundle (cluster.rollout_nodes; {} = any node): a placement
+    group made later for more engines passes it too."""
 
 
 def pin_process(cores: tuple[int, ...] | None, what: str) -> None:
@@ -50,13 +57,15 @@ def pin_process(cores: tuple[int, ...] | None, what: str) -> None:
 
 
 def bundles(cfg: Config, device: str) -> tuple[list[dict[str, float]], list[dict[str, float]]]:
-    """Bundle lists of the trainer and rollout pools (pure)."""
+    """Bundle lists of the trainer and rollout pools, custom resources included (pure)."""
     if device == "cuda":
         tb = {"GPU": 1.0, "CPU": float(cfg.trainer.cpus_per_worker)}
         rb = {"GPU": 1.0, "CPU": float(cfg.rollout.cpus_per_engine)}
     else:
         tb = {"CPU": float(cfg.trainer.cpus_per_worker)}
         rb = {"CPU": float(cfg.rollout.cpus_per_engine)}
+    tb.update(cfg.cluster.trainer_resources)
+    rb.update(cfg.cluster.rollout_resources)
     n_roll = cfg.rollout.num_engines * cfg.rollout.tensor_parallel_size
     return [dict(tb) for _ in range(cfg.trainer.num_workers)], [dict(rb) for _ in range(n_roll)]
 
@@ -87,24 +96,130 @@ def create_pools(cfg: Config, device: str, with_trainer: bool = True) -> Pools:
     tb, rb = bundles(cfg, device)
     if not with_trainer:
         tb = []
-    avail = ray.cluster_resources()
-    for res in ("CPU", "GPU"):
-        need = sum(b.get(res, 0.0) for b in tb + rb)
-        if need > avail.get(res, 0.0):
-            raise ConfigError(
-                f"trainer.num_workers={cfg.trainer.num_workers} + rollout.num_engines*tensor_parallel_size="
-                f"{cfg.rollout.num_engines}*{cfg.rollout.tensor_parallel_size} need {need:g} {res}, "
-                f"but the Ray cluster has {avail.get(res, 0.0):g}"
-            )
-    strategy = "PACK"
-    rollout_pg = placement_group(rb, strategy=strategy, name="disagg-rollout")
+    nodes = [n for n in ray.nodes() if n["Alive"]]
+    trainer_ids = resolve_nodes("cluster.trainer_nodes", cfg.cluster.trainer_nodes, nodes) if tb else []
+    rollout_ids = resolve_nodes("cluster.rollout_nodes", cfg.cluster.rollout_nodes, nodes)
+    check_capacity(cfg, tb, rb, nodes, trainer_ids, rollout_ids)
+    strategy = "PACK"  # with a node list or custom resources PACK still fills the allowed nodes first
+    rollout_sel = label_selector(rollout_ids)
+    rollout_pg = placement_group(rb, strategy=strategy, name="disagg-rollout",
+                                 bundle_label_selector=[rollout_sel] * len(rb) if rollout_sel else None)
     groups = [("rollout", rollout_pg, rb)]
     trainer_pg = None
     if tb:
-        trainer_pg = placement_group(tb, strategy=strategy, name="disagg-trainer")
+        trainer_sel = label_selector(trainer_ids)
+        trainer_pg = placement_group(tb, strategy=strategy, name="disagg-trainer",
+                                     bundle_label_selector=[trainer_sel] * len(tb) if trainer_sel else None)
         groups.insert(0, ("trainer", trainer_pg, tb))
     _wait_placement(groups, cfg.cluster.placement_timeout_s)
-    return Pools(trainer_pg, rollout_pg, device, tb[0] if tb else {}, rb[0])
+    return Pools(trainer_pg, rollout_pg, device, tb[0] if tb else {}, rb[0], rollout_sel)
+
+
+NODE_ID_LABEL = "ray.io/node-id"  # the label Ray gives every node: its node id
+
+
+def resolve_nodes(key: str, wanted: tuple[str, ...], nodes: list[dict]) -> list[str]:
+    """Node ids of the nodes ``wanted`` names (node IPs or node ids; an IP names every node on it).
+
+    ``nodes`` is ``ray.nodes()`` (alive ones); a name that matches none raises a ConfigError
+    naming ``key`` and listing the cluster's nodes. Pure.
+    """
+    ids: list[str] = []
+    for name in wanted:
+        found = [n["NodeID"] for n in nodes if name in (n["NodeID"], n["NodeManagerAddress"])]
+        if not found:
+            listing = ", ".join(f"{n['NodeID']} ({n['NodeManagerAddress']})" for n in nodes)
+            raise ConfigError(f"{key}={list(wanted)}: {name!r} is not a node of the Ray cluster; "
+                              f"its nodes: {listing}")
+        ids += [i for i in found if i not in ids]
+    return ids
+
+
+def label_selector(node_ids: list[str]) -> dict[str, str]:
+    """The bundle label selector that keeps a bundle on one of ``node_ids`` ({}: anywhere). Pure."""
+    if not node_ids:
+        return {}
+    return {NODE_ID_LABEL: node_ids[0] if len(node_ids) == 1 else f"in({','.join(node_ids)})"}
+
+
+def check_capacity(cfg: Config, tb: list[dict[str, float]], rb: list[dict[str, float]], nodes: list[dict],
+                   trainer_ids: list[str], rollout_ids: list[str]) -> None:
+    """Fail fast, naming the config key, when the cluster (or a pool's nodes) cannot hold the pools.
+
+    ``nodes`` is ``ray.nodes()`` (alive ones); ``*_ids`` are the pools' allowed nodes ([] = any).
+    Pure: placement itself may still wait on resources other jobs hold.
+    """
+    def total(res: str, ids: list[str]) -> float:
+        return sum(n["Resources"].get(res, 0.0) for n in nodes if not ids or n["NodeID"] in ids)
+
+    def need(res: str, pool: list[dict[str, float]]) -> float:
+        return sum(b.get(res, 0.0) for b in pool)
+
+    for res in ("CPU", "GPU"):
+        if need(res, tb + rb) > total(res, []):
+            raise ConfigError(
+                f"trainer.num_workers={cfg.trainer.num_workers} + rollout.num_engines*tensor_parallel_size="
+                f"{cfg.rollout.num_engines}*{cfg.rollout.tensor_parallel_size} need {need(res, tb + rb):g} {res}, "
+                f"but the Ray cluster has {total(res, []):g}"
+            )
+    custom = [("trainer", cfg.cluster.trainer_resources, tb), ("rollout", cfg.cluster.rollout_resources, rb)]
+    for res in sorted({r for _, asked, pool in custom if pool for r in asked}):
+        keys = [f"cluster.{name}_resources.{res}={asked[res]:g}" for name, asked, pool in custom
+                if pool and res in asked]
+        if need(res, tb + rb) > total(res, []):
+            raise ConfigError(
+                f"{' + '.join(keys)} per bundle: the pools need {need(res, tb + rb):g} {res!r} in all, but the Ray "
+                f"cluster has {total(res, []):g} (a node offers it with `ray start --resources='{{\"{res}\": N}}'`)"
+            )
+    for name, pool, ids in (("trainer", tb, trainer_ids), ("rollout", rb, rollout_ids)):
+        if not ids or not pool:
+            continue
+        for res in pool[0]:
+            if need(res, pool) > total(res, ids):
+                nodes_key = f"cluster.{name}_nodes={list(getattr(cfg.cluster, f'{name}_nodes'))}"
+                raise ConfigError(f"{nodes_key}: the {name} pool needs {need(res, pool):g} {res} "
+                                  f"({len(pool)} bundles of {pool[0]}), but those nodes have {total(res, ids):g}")
+
+
+def order_bundles(bundle_nodes: dict[int, str]) -> list[int]:
+    """The bundle of each rank: ranks grouped by node, then by bundle (device) index within a node.
+
+    Nodes come in the order of their lowest bundle, so rank 0 keeps bundle 0. ``bundle_nodes`` maps
+    bundle index -> node id (``placement_group_table(pg)["bundles_to_node_id"]``). Pure.
+    """
+    first: dict[str, int] = {}
+    for i in sorted(bundle_nodes):
+        first.setdefault(bundle_nodes[i], i)
+    return sorted(bundle_nodes, key=lambda i: (first[bundle_nodes[i]], i))
+
+
+def bundle_order(pg) -> list[int]:
+    """``order_bundles`` of a ready placement group."""
+    from ray.util.placement_group import placement_group_table
+
+    return order_bundles({int(i): node for i, node in placement_group_table(pg)["bundles_to_node_id"].items()})
+
+
+def write_placement(job) -> Path:
+    """Write ``<run_dir>/placement.json``: the node of every trainer rank and every engine."""
+    from disagg.logs import ray_get_logged
+
+    workers = job.trainer.workers
+    where = ray_get_logged([w.node_id.remote() for w in workers] + [w.node_ip.remote() for w in workers],
+                           what="trainer placement", timeout_s=job.cfg.cluster.actor_timeout_s, log=log)
+    record = {
+        "trainer": [{"rank": r, "node_id": where[r], "node_ip": where[len(workers) + r]} for r in range(len(workers))],
+        "rollout": [{"engine_id": i["engine_id"], "node_id": i["node_id"], "node_ip": i["node_ip"]}
+                    for i in job.rollout.start_info],
+    }
+    path = Path(job.run_dir) / "placement.json"
+    path.write_text(json.dumps(record, indent=2) + "\n")
+    for pool, entries in record.items():
+        by_node: dict[str, list[int]] = {}
+        for e in entries:
+            by_node.setdefault(f"{e['node_id'][:8]} ({e['node_ip']})", []).append(e.get("rank", e.get("engine_id")))
+        log.info("%s placement: %s", pool, "; ".join(f"{ids} on node {node}" for node, ids in by_node.items()))
+    return path
 
 
 def _wait_placement(groups, timeout_s: float) -> None:

@@ -9,7 +9,9 @@ key and the value. Each actor then gets only its own sub-config.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -30,6 +32,15 @@ class ClusterConfig:
     """How long to wait for both placement groups before failing."""
     actor_timeout_s: float = 600.0
     """Upper bound on any single call to a trainer or engine actor (ray.get timeout)."""
+    trainer_resources: dict[str, float] = field(default_factory=dict)
+    """Custom Ray resources each trainer bundle also asks for (name -> amount), e.g. {trainer_node: 1}
+    with `ray start --resources='{"trainer_node": 8}'` on the trainer's nodes; {} = none."""
+    rollout_resources: dict[str, float] = field(default_factory=dict)
+    """Custom Ray resources each rollout bundle also asks for; see trainer_resources."""
+    trainer_nodes: tuple[str, ...] = ()
+    """Nodes the trainer pool may use: node IPs or Ray node ids (`ray list nodes`); empty = any node."""
+    rollout_nodes: tuple[str, ...] = ()
+    """Nodes the rollout pool may use: node IPs or Ray node ids; empty = any node."""
 
 
 @dataclass(frozen=True)
@@ -62,6 +73,13 @@ class TrainerConfig:
     ``rollout.cpu_affinity`` it keeps the two pools off each other's cores on one machine."""
     step_delay_s: float = 0.0
     """Sleep this long after each optimizer step: simulates a slower trainer (tests, benchmarks)."""
+    checkpoint_every: int = 0
+    """Write a checkpoint (<run_dir>/checkpoints/step_<N>) every this many steps, and one after the
+    last step; 0 = only when asked (`disagg ctl checkpoint`, `disagg ctl stop`). With
+    algorithm.max_staleness > 0 a checkpoint may land one step later (it waits for an idle trainer)."""
+    keep_checkpoints: int = 2
+    """Complete checkpoints kept in the run directory: after each one is written, all but the newest
+    this many are deleted (the one the run resumed from stays while it runs); 0 = keep all."""
 
 
 @dataclass(frozen=True)
@@ -310,6 +328,11 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     run_dir: str | None = None
     """Run directory; null -> hydra's output directory."""
+    resume: str | None = None
+    """Continue a run: its run directory (the latest complete checkpoint) or one checkpoint directory.
+    Weights, optimizer, scheduler, RNG, data cursor and counters come from the checkpoint; everything
+    else from this config (trainer.num_workers may differ). Steps, policy versions and metrics.jsonl
+    continue in that run directory. null = a new run."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -330,6 +353,11 @@ def _coerce(key: str, tp: Any, value: Any) -> Any:
             except ConfigError as e:
                 errors.append(str(e))
         raise ConfigError(errors[0] if errors else f"{key}={value!r}: invalid value")
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}={value!r}: expected a mapping")
+        key_tp, value_tp = typing.get_args(tp)
+        return {_coerce(key, key_tp, k): _coerce(f"{key}.{k}", value_tp, v) for k, v in value.items()}
     if origin is Literal:
         allowed = typing.get_args(tp)
         if value not in allowed:
@@ -446,6 +474,10 @@ def validate(cfg: Config, mode: str = "train") -> Config:
         f"rollout.max_tokens={r.max_tokens} must be < rollout.max_model_len={r.max_model_len}",
     )
     _check(t.warmup_steps >= 0, f"trainer.warmup_steps={t.warmup_steps}: must be >= 0")
+    _check(t.checkpoint_every >= 0, f"trainer.checkpoint_every={t.checkpoint_every}: must be >= 0 (0 = off)")
+    _check(t.keep_checkpoints >= 0, f"trainer.keep_checkpoints={t.keep_checkpoints}: must be >= 0 (0 = keep all)")
+    _check(cfg.resume is None or os.path.isdir(os.path.expanduser(cfg.resume)),
+           f"resume={cfg.resume!r}: not a directory (a run directory or one of its checkpoints/step_<N>)")
     n_cpu = os.cpu_count() or 1
     for key, cores in (("trainer.cpu_affinity", t.cpu_affinity), ("rollout.cpu_affinity", r.cpu_affinity)):
         _check(cores is None or (len(cores) > 0 and all(0 <= c < n_cpu for c in cores)),
@@ -463,6 +495,7 @@ def validate(cfg: Config, mode: str = "train") -> Config:
     for key, v in (("control.tls_cert", c.tls_cert), ("control.tls_key", c.tls_key), ("control.tls_ca", c.tls_ca)):
         _check(v is None or os.path.isfile(os.path.expanduser(v)), f"{key}={v!r}: no such file")
     _check(0 <= cfg.control.port < 65536, f"control.port={cfg.control.port}: must be in [0, 65535]")
+    _check_cluster_placement(cfg.cluster)
     if cfg.model.path is None:
         tiny = cfg.model.tiny
         _check(
@@ -527,6 +560,36 @@ def validate(cfg: Config, mode: str = "train") -> Config:
             f"algorithm.prompts_per_step*group_size={per} is smaller than trainer.num_workers={t.num_workers}",
         )
     return cfg
+
+
+# Resources a bundle gets from other keys (trainer.cpus_per_worker, cluster.device, cluster.*_nodes).
+_BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
+_NODE_ID = re.compile(r"[0-9a-f]{56}")
+
+
+def _check_cluster_placement(c: ClusterConfig) -> None:
+    """Custom resources and node lists of the two pools (membership is checked once Ray is up)."""
+    for key, res in (("cluster.trainer_resources", c.trainer_resources),
+                     ("cluster.rollout_resources", c.rollout_resources)):
+        for name, amount in res.items():
+            _check(name not in _BUILTIN_RESOURCES and not name.startswith("node:"),
+                   f"{key}.{name}={amount:g}: list only custom resources here (CPUs and GPUs come from "
+                   "trainer.cpus_per_worker / rollout.cpus_per_engine and cluster.device, nodes from cluster.*_nodes)")
+            _check(amount > 0, f"{key}.{name}={amount:g}: must be > 0")
+    for key, nodes in (("cluster.trainer_nodes", c.trainer_nodes), ("cluster.rollout_nodes", c.rollout_nodes)):
+        for node in nodes:
+            _check(_is_ip(node) or _NODE_ID.fullmatch(node) is not None,
+                   f"{key}={list(nodes)}: {node!r} is neither a node IP nor a Ray node id (56 hex digits, "
+                   "`ray list nodes`)")
+        _check(len(set(nodes)) == len(nodes), f"{key}={list(nodes)}: a node is listed twice")
+
+
+def _is_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
 
 
 def load_config(data: dict[str, Any] | None, *, check: bool = True, mode: str = "train") -> Config:

@@ -95,7 +95,8 @@ class Job:
                                                         self.pools.trainer_pg.id.hex(), cfg.trainer.num_workers))
         self.register_rollout_pool(cfg.rollout.num_engines)
         t0 = time.perf_counter()
-        self.rollout = RolloutPool(cfg, self.pools.rollout_pg, device, str(self.model_path), self.control_client())
+        self.rollout = RolloutPool(cfg, self.pools.rollout_pg, device, str(self.model_path), self.control_client(),
+                                   label_selector=self.pools.rollout_label_selector)
         self.trainer = TrainerGroup(cfg, self.pools.trainer_pg, device, str(self.model_path))
         self.engine_start_s = [i["start_s"] for i in self.rollout.start_info]
         log.info("pools up in %.1fs (engine start %s s)", time.perf_counter() - t0,

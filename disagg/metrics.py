@@ -28,14 +28,26 @@ REQUIRED_KEYS = (
 
 
 class MetricsWriter:
-    def __init__(self, run_dir: Path, tensorboard: bool = True):
+    """Appends to ``<run_dir>/metrics.jsonl`` and ``<run_dir>/tensorboard``.
+
+    ``resume_step``: the run continues after that step (a resume from its checkpoint). Records of
+    later steps - written after that checkpoint, by a run that then died or was resumed from an
+    older checkpoint - are removed from the JSONL (``num_dropped``) and hidden in TensorBoard, so
+    each step appears once.
+    """
+
+    def __init__(self, run_dir: Path, tensorboard: bool = True, resume_step: int | None = None):
         self.path = run_dir / "metrics.jsonl"
+        self.num_dropped = 0
+        if resume_step is not None and self.path.exists():
+            self.num_dropped = truncate_metrics(self.path, resume_step)
         self._f = self.path.open("a")
         self._tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(str(run_dir / "tensorboard"))
+            purge = resume_step + 1 if resume_step is not None else None
+            self._tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=purge)
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         rec = {"step": step, **metrics}
@@ -54,6 +66,19 @@ class MetricsWriter:
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def truncate_metrics(path: Path, last_step: int) -> int:
+    """Keep the records of steps <= ``last_step`` (rewritten atomically); returns how many were removed."""
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    keep = [line for line in lines if json.loads(line)["step"] <= last_step]
+    if len(keep) < len(lines):
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in keep))
+        tmp.replace(path)
+        log.warning("%s: removed the records of %d steps after step %d (the checkpoint resumed from)", path,
+                    len(lines) - len(keep), last_step)
+    return len(lines) - len(keep)
 
 
 def plot_rewards(metrics_path: Path, out: Path) -> Path | None:

@@ -237,6 +237,9 @@ class Pipeline:
         self.joining: dict[int, Any] = {}
         self.joined: list[int] = []
         self.fate: Counter = Counter()  # what became of each prompt group drawn: trained / dropped / ...
+        self._stale_groups_before = 0
+        self._addresses: dict[int, str] = {}  # engine id -> OpenAI address, of engines added by a scale-up
+        self._routed: set[int] = set()  # engines the agent runners route to
         self.trained_by_engine: Counter = Counter()  # trained groups per engine id
         self.first_trained_version: dict[int, int] = {}  # engine id -> oldest token version of its first trained group
         self.join_version: dict[int, int] = {}  # engine id -> the version whose sync it joined at (scale-up)
@@ -266,6 +269,7 @@ class Pipeline:
         self.runners = [cls.remote(self.cfg.agent, str(self.job.model_path), addresses, roll.served_model_name,
                                    roll.tool_call_parser or "hermes", roll.max_model_len, self.cfg.logging.level)
                         for _ in range(self.cfg.agent.num_runners)]
+        self._routed = set(addresses)
 
     def agent_stats(self) -> list[dict]:
         """Each agent runner's counters (requests per engine, tool errors, ...)."""
@@ -287,6 +291,7 @@ class Pipeline:
 
         from disagg.errors import RolloutError
 
+        self._stale_groups_before = self.sched.counts["dropped_stale_groups"]
         self._start_rewards()
         if self.agent:
             self._start_runners()
@@ -439,6 +444,9 @@ class Pipeline:
                     engine_version = sync.policy_version
                     if self.joined:  # they serve the trainer's weights now: give them groups
                         log.info("engines %s serve version %d: taking prompt groups", self.joined, engine_version)
+                        if self.agent:  # the runners route sessions to them from now on
+                            self._runners_call("add_engine", [(e, self._addresses[e]) for e in self.joined])
+                            self._routed.update(self.joined)
                         self.serving += self.joined
                         self.joined = []
                     if queued is not None:  # its weights are the trainer's current ones
@@ -505,9 +513,6 @@ class Pipeline:
         """Why ``num_engines`` engines cannot run, or None (called from a gRPC thread)."""
         import ray
 
-        if self.agent:
-            return ("agent tasks cannot scale their rollout pool yet: the agent runners hold a fixed set of "
-                    "engine addresses; restart the job with rollout.num_engines=N")
         more = num_engines - self._active_engines() - len(self.draining)  # draining ones are taken back first
         if more <= 0:
             return None
@@ -542,6 +547,8 @@ class Pipeline:
                 self.draining.discard(eid)
                 self.serving.append(eid)
                 pool.handle(eid).set_draining.remote(False, "taken back: the pool scaled up again")
+                if eid in self._routed:
+                    self._runners_call("set_engine_health", [(eid, "healthy")], wait=False)
                 log.info("engine %d taken back from draining", eid)
             else:
                 eid, handle, ref = pool.launch()
@@ -568,6 +575,8 @@ class Pipeline:
                 self.serving.remove(eid)
                 self.draining.add(eid)
                 pool.handle(eid).set_draining.remote(True, f"scaled down to {target}: finishing its groups")
+                if eid in self._routed:  # sessions on it finish there; new ones go elsewhere
+                    self._runners_call("set_engine_health", [(eid, "draining")], wait=False)
                 log.info("engine %d draining (scale to %d engines)", eid, target)
             active -= 1
 
@@ -577,7 +586,7 @@ class Pipeline:
 
         eid, handle, t0 = self.launching.pop(ref)
         try:
-            ray.get(ref)
+            self._addresses[eid] = ray.get(ref).get("address", "")
         except Exception as e:  # noqa: BLE001 - a failed start lowers the target; the run goes on
             self._launch_failed(state, eid, handle, f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}")
             return
@@ -593,10 +602,23 @@ class Pipeline:
         self.fate["engine_start_failures"] += 1
         state.set_scale_target(self._active_engines(), f"engine {eid} failed to start: {why}")
 
+    def _runners_call(self, method: str, calls: list[tuple], wait: bool = True) -> list:
+        """``method(*args)`` on every agent runner for each ``args`` in ``calls``; their results, in order."""
+        import ray
+
+        refs = [getattr(r, method).remote(*args) for args in calls for r in self.runners]
+        if not wait:
+            return []
+        return ray.get(refs, timeout=self.cfg.cluster.actor_timeout_s)
+
     def _start_sync(self, version: int, step: int, load: dict[int, int], engine_tokens: dict[int, int]):
         """Start the sync of ``version``; first, at this point between syncs, let started engines
         join the transport group and drained ones leave it (one rebuild, a new epoch)."""
-        leaving = [eid for eid in self.draining if load.get(eid, 0) == 0]
+        if self.agent:  # groups run on the runners: ask them what still uses each draining engine
+            leaving = [eid for eid in sorted(self.draining) if eid not in self._routed
+                       or sum(self._runners_call("engine_use", [(eid,)])) == 0]
+        else:
+            leaving = [eid for eid in self.draining if load.get(eid, 0) == 0]
         if self.joining or leaving:
             pool = self.job.rollout
             gone = {eid: pool.handle(eid) for eid in leaving}
@@ -604,6 +626,10 @@ class Pipeline:
             members += list(self.joining.items())
             t0 = time.perf_counter()
             self.job.change_engines(members)
+            routed = [(eid,) for eid in gone if eid in self._routed]
+            if routed:
+                self._runners_call("remove_engine", routed)
+                self._routed.difference_update(gone)
             for eid, handle in gone.items():
                 self.job.coordinator.state.remove_engine(eid)
                 pool.retire(eid, handle, background=True)
@@ -625,7 +651,8 @@ class Pipeline:
     def prompts_lost(self) -> int:
         """Prompt groups drawn from the data that were neither handed to the trainer, dropped (counted),
         nor are still generating, scoring or waiting in the buffer. Always 0 unless a group went missing."""
-        dropped = self.fate["dropped_invalid"] + self.sched.counts["dropped_stale_groups"]
+        # Stale drops counted by this pipeline (a resumed run starts with the checkpoint's counts).
+        dropped = self.fate["dropped_invalid"] + self.sched.counts["dropped_stale_groups"] - self._stale_groups_before
         return self._next_gid - self.fate["taken"] - dropped - len(self.sched.inflight) - len(self.sched.ready)
 
     def _score(self, gid: int, texts: list[str]) -> dict:

@@ -4,7 +4,9 @@ Every mechanism lives in a component (``Job`` for the cluster and transport,
 ``Pipeline`` for the overlapped generate / score / train / sync loop with bounded
 staleness, ``Scorer`` for rewards and advantages). Policy versions: the engines
 start on dummy weights (version 0, never served); the trainer's initial weights
-are version 1 and every optimizer step produces the next version.
+are version 1 and every optimizer step produces the next version. A resumed run
+(``resume=``, ``disagg.resume``) starts from a checkpoint of step N: its trainer
+loads the checkpoint, its first sync is version N + 1, its first step N + 1.
 """
 
 from __future__ import annotations
@@ -14,33 +16,37 @@ import logging
 import time
 from pathlib import Path
 
+from disagg.cluster import write_placement
 from disagg.config import Config
 from disagg.job import Job
 from disagg.metrics import MetricsWriter, plot_rewards, reward_summary
 from disagg.model.warmstart import prepare_model
 from disagg.pipeline import Pipeline
+from disagg.resume import ResumableSource, ResumePoint, config_changes, load_resume, prune_checkpoints
 from disagg.scoring import Scorer
 from disagg.tasks.base import PromptSource, get_reward
 
 log = logging.getLogger("disagg.train")
 
 
-def make_source(cfg: Config) -> PromptSource:
+def make_source(cfg: Config, start: int = 0) -> PromptSource:
+    """The task's prompt stream from row ``start`` on."""
     if cfg.data.train_files:
         from disagg.tasks.files import FilePromptSource
 
-        return FilePromptSource(list(cfg.data.train_files), cfg.data.prompt_key, cfg.data.seed, cfg.data.shuffle)
+        return FilePromptSource(list(cfg.data.train_files), cfg.data.prompt_key, cfg.data.seed, cfg.data.shuffle,
+                                start)
     if cfg.data.task == "calculator":
         from disagg.tasks.calculator import CalculatorSource
 
-        return CalculatorSource(cfg.data.num_digits, seed=cfg.data.seed)
+        return CalculatorSource(cfg.data.num_digits, seed=cfg.data.seed, start=start)
     if cfg.data.task == "code":
         from disagg.tasks.code import CodeTaskSource
 
-        return CodeTaskSource(cfg.data.seed)
+        return CodeTaskSource(cfg.data.seed, start)
     from disagg.tasks.reverse import ReverseDigitsSource
 
-    return ReverseDigitsSource(cfg.data.num_digits, seed=cfg.data.seed)
+    return ReverseDigitsSource(cfg.data.num_digits, seed=cfg.data.seed, start=start)
 
 
 def encode_prompt(tokenizer, text: str, add_bos: bool) -> tuple[int, ...]:
@@ -51,12 +57,12 @@ def encode_prompt(tokenizer, text: str, add_bos: bool) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def make_pipeline(cfg: Config, job: Job, tokenizer, **kw) -> Pipeline:
-    """The pipeline of ``cfg``'s task and reward on ``job`` (keyword arguments go to ``Pipeline``)."""
+def make_pipeline(cfg: Config, job: Job, tokenizer, source: PromptSource | None = None, **kw) -> Pipeline:
+    """The pipeline of ``cfg``'s task (or ``source``) and reward on ``job`` (keyword arguments go to ``Pipeline``)."""
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
     scorer = Scorer(get_reward(cfg.reward.name, cfg.reward.path), decode, cfg.algorithm, cfg.reward.latency_s)
     kw.setdefault("agent", is_agent_task(cfg))
-    return Pipeline(cfg, job, make_source(cfg), lambda text: encode_prompt(tokenizer, text, cfg.data.add_bos),
+    return Pipeline(cfg, job, source or make_source(cfg), lambda text: encode_prompt(tokenizer, text, cfg.data.add_bos),
                     decode, scorer, **kw)
 
 
@@ -68,35 +74,68 @@ def is_agent_task(cfg: Config) -> bool:
 def run(cfg: Config, run_dir: Path) -> Path:
     from transformers import AutoTokenizer
 
+    resume = load_resume(cfg) if cfg.resume else None
+    if resume is not None:
+        log.info("resuming the run in %s from %s (step %d, policy version %d)", resume.run_dir, resume.checkpoint,
+                 resume.step, resume.policy_version)
+        run_dir = resume.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
+    changes = _config_changes(run_dir, cfg) if resume else {}
     (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
-    model_path = prepare_model(cfg)
+    # A checkpoint is a complete model directory: the trainer loads its weights, the engines its
+    # architecture and tokenizer (they start on dummy weights either way).
+    model_path = resume.checkpoint if resume else prepare_model(cfg)
+    base_model = resume.base_model_path if resume else str(model_path)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    metrics = MetricsWriter(run_dir, tensorboard=cfg.logging.tensorboard)
+    metrics = MetricsWriter(run_dir, tensorboard=cfg.logging.tensorboard, resume_step=resume.step if resume else None)
     job = Job.start(cfg, run_dir, model_path)
     try:
-        sync = job.sync_weights(1, trainer_step=0)
-        log.info("initial weights (version 1) synced: %d bytes in %.3fs", sync.bytes, sync.seconds)
+        write_placement(job)
+        first_step = 1  # the initial weights are version first_step (the pipeline's convention)
+        if resume is not None:
+            _restore(job, cfg, resume, metrics.num_dropped, changes)
+            first_step = resume.first_step
+        sync = job.sync_weights(first_step, trainer_step=first_step - 1)
+        log.info("initial weights (version %d) synced: %d bytes in %.3fs", first_step, sync.bytes, sync.seconds)
         state = job.coordinator.state
+        source = ResumableSource(make_source(cfg, resume.data_cursor if resume else 0),
+                                 resume.data_replay if resume else ())
         pipeline = None
+        written: dict[int, str] = {}  # step -> checkpoint path, this process's
 
         def checkpoint(step: int, version: int) -> str:
-            return job.save_checkpoint(step, version, {"data_cursor": getattr(pipeline.data, "cursor", None),
-                                                       "counts": dict(pipeline.counts)})
+            untrained = [*pipeline.sched.inflight, *(g.gid for g in pipeline.sched.ready)]
+            path = job.save_checkpoint(step, version, {
+                "data_cursor": source.cursor, "data_pending": source.pending(untrained),
+                "counts": dict(pipeline.counts), "scheduler_counts": dict(pipeline.sched.counts),
+                "base_model_path": base_model, "num_trainer_workers": cfg.trainer.num_workers})
+            written[step] = path
+            prune_checkpoints(run_dir, cfg.trainer.keep_checkpoints, resume.checkpoint if resume else None)
+            return path
 
-        with _progress(cfg) as bar:
-            pipeline = make_pipeline(cfg, job, tokenizer, metrics=metrics, progress=bar, checkpoint=checkpoint)
+        def on_step(step: int, rec: dict) -> None:
+            every = cfg.trainer.checkpoint_every
+            if every and step % every == 0 and step < cfg.trainer.total_steps:  # the last one: after the run
+                state.schedule_checkpoint()
+
+        with _progress(cfg, first_step - 1) as bar:
+            pipeline = make_pipeline(cfg, job, tokenizer, source=source, metrics=metrics, progress=bar,
+                                     checkpoint=checkpoint, on_step=on_step)
+            if resume is not None:
+                pipeline.counts.update(resume.counts)
+                pipeline.sched.counts.update(resume.scheduler_counts)
             try:
-                pipeline.run(cfg.trainer.total_steps)
+                pipeline.run(cfg.trainer.total_steps - (first_step - 1), first_step=first_step)
             except BaseException:
                 state.set_phase("failed")
                 raise
+        step, version = pipeline.last_done if pipeline.last_done[0] else (first_step - 1, first_step)
+        if (pipeline.stopped is not None or cfg.trainer.checkpoint_every) and step not in written:
+            state.checkpoint_written(step, version, checkpoint(step, version))
         if pipeline.stopped is not None:
-            step, version = pipeline.last_done if pipeline.last_done[0] else (0, 1)
-            path = checkpoint(step, version)
-            state.checkpoint_written(step, version, path)
             log.warning("stopped on request (%s) after step %d of %d: checkpoint %s; %d prompt groups were still "
-                        "generating", pipeline.stopped, step, cfg.trainer.total_steps, path, pipeline.abandoned_groups)
+                        "generating", pipeline.stopped, step, cfg.trainer.total_steps, written[step],
+                        pipeline.abandoned_groups)
         state.set_phase("stopped")
     finally:
         metrics.close()
@@ -111,19 +150,47 @@ def run(cfg: Config, run_dir: Path) -> Path:
     return run_dir
 
 
+def _config_changes(run_dir: Path, cfg: Config) -> dict[str, list]:
+    """What differs from the config the run last started with (its ``config.json``)."""
+    old = run_dir / "config.json"
+    return config_changes(json.loads(old.read_text()), cfg.to_dict()) if old.exists() else {}
+
+
+def _restore(job: Job, cfg: Config, resume: ResumePoint, metrics_dropped: int, changes: dict) -> None:
+    """Load the checkpoint's optimizer, scheduler and RNG state into the trainer (its weights were
+    loaded at start) and append what was restored to ``<run_dir>/resume.jsonl``."""
+    reference = resume.base_model_path if cfg.algorithm.kl_coef > 0 else None
+    trainer = job.trainer.load_checkpoint(str(resume.checkpoint), reference)
+    entry = {"time_unix_s": time.time(), "checkpoint": str(resume.checkpoint), "step": resume.step,
+             "policy_version": resume.policy_version, "num_trainer_workers_saved": resume.num_trainer_workers,
+             "num_trainer_workers": cfg.trainer.num_workers, "data_cursor": resume.data_cursor,
+             "data_replayed": list(resume.data_replay), "metrics_records_removed": metrics_dropped,
+             "trainer": trainer, "config_changes": changes}
+    with (resume.run_dir / "resume.jsonl").open("a") as f:
+        f.write(json.dumps(entry) + "\n")
+    kept = [k for k in ("trainer.lr", "trainer.betas", "trainer.weight_decay") if k in changes]
+    if kept:
+        log.warning("%s changed, but the resumed optimizer keeps the checkpoint's hyperparameters", ", ".join(kept))
+    log.info("resumed at step %d: %s -> %d trainer workers, Adam step %d, lr %.3g, data row %d (%d rows in flight "
+             "at the checkpoint drawn again first); config changes: %s", resume.step, resume.num_trainer_workers,
+             cfg.trainer.num_workers, trainer["optimizer_step"], trainer["lr"], resume.data_cursor,
+             len(resume.data_replay), ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changes.items()) or "none")
+
+
 class _progress:
     """A tqdm bar showing step, reward and policy version (plain log lines if disabled)."""
 
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, initial: int = 0):
         self.cfg = cfg
         self.total = cfg.trainer.total_steps
+        self.initial = initial  # steps done before this process (a resumed run)
         self.bar = None
 
     def __enter__(self):
         if self.cfg.logging.progress:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=self.total, desc="GRPO", unit="step", dynamic_ncols=True)
+            self.bar = tqdm(total=self.total, initial=self.initial, desc="GRPO", unit="step", dynamic_ncols=True)
         return self
 
     def update(self, step: int, rec: dict) -> None:

@@ -33,15 +33,27 @@ class RoutedCompletions:
 
     def __init__(self, addresses: dict[int, str], model: str, *, timeout_s: float | None = None,
                  max_retries: int = 0, router: ChatRouter | None = None) -> None:
-        from openai import AsyncOpenAI
-
         self.model = model
         self.router = router or ChatRouter(sorted(addresses))
-        self.clients = {e: AsyncOpenAI(base_url=f"{a}/v1", api_key="disagg", timeout=timeout_s,
-                                       max_retries=max_retries) for e, a in addresses.items()}
-        for e in addresses:
-            if e not in self.router.health:
-                self.router.add_engine(e)
+        self._timeout_s, self._max_retries = timeout_s, max_retries
+        self.clients: dict = {}
+        for e, a in addresses.items():
+            self.add_engine(e, a)
+
+    def add_engine(self, engine_id: int, address: str) -> None:
+        """Route new sessions to ``engine_id`` too (an engine that joined the pool)."""
+        from openai import AsyncOpenAI
+
+        self.clients[engine_id] = AsyncOpenAI(base_url=f"{address}/v1", api_key="disagg", timeout=self._timeout_s,
+                                              max_retries=self._max_retries)
+        self.router.add_engine(engine_id)
+
+    async def remove_engine(self, engine_id: int) -> None:
+        """An engine left the pool: no request goes to it again (a session pinned to it moves)."""
+        self.router.set_health(engine_id, "dead")
+        client = self.clients.pop(engine_id, None)
+        if client is not None:
+            await client.close()
 
     async def complete(self, session_id: str | None, prompt_ids: list[int], max_tokens: int,
                        sampling: SamplingSpec, stop_token_ids: list[int]) -> TurnOutput:

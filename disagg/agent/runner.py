@@ -89,6 +89,17 @@ class AgentRunner:
     async def set_engine_health(self, engine_id: int, health: str) -> None:
         self.llm.router.set_health(engine_id, health)
 
+    async def add_engine(self, engine_id: int, address: str) -> None:
+        self.llm.add_engine(engine_id, address)
+
+    async def remove_engine(self, engine_id: int) -> None:
+        await self.llm.remove_engine(engine_id)
+
+    async def engine_use(self, engine_id: int) -> int:
+        """Requests in flight on ``engine_id`` plus sessions pinned to it (0: it may leave)."""
+        r = self.llm.router
+        return r.inflight[engine_id] + sum(1 for e in r.sessions.values() if e == engine_id)
+
     async def get_stats(self) -> dict[str, Any]:
         r = self.llm.router
         return {"requests_per_engine": dict(r.requests), "inflight_per_engine": dict(r.inflight),

@@ -12,16 +12,40 @@ from __future__ import annotations
 from disagg.transport.manifest import BucketEntry, BucketPlan, Manifest, TensorSpec
 from disagg.control.types import RUN_FIELDS, ClusterStatus, EngineInfo, EngineState, EngineStatus, PoolStatus
 
-try:
-    from disagg.control._proto import coordinator_pb2 as pb
-    from disagg.control._proto import coordinator_pb2_grpc as pb_grpc
-except ModuleNotFoundError as e:
-    if not (e.name or "").startswith("disagg.control._proto"):
-        raise
-    raise ImportError(
-        "the coordinator's gRPC stubs (disagg/control/_proto) are missing: they are made at install "
-        "time; regenerate them with `python -m disagg.control.gen`"
-    ) from e
+
+
+def _import_stubs():
+    """The generated stubs; generated from ``protos/`` first when a source tree lacks them.
+
+    They are build outputs that ``.gitignore`` keeps out of git - and so out of what
+    ``ray job submit --working-dir .`` uploads, whose copy of the package then shadows the
+    installed one in the driver and every actor. Generation writes each file atomically, so
+    processes that start together may all generate without harm.
+    """
+    import importlib
+
+    try:
+        return (importlib.import_module("disagg.control._proto.coordinator_pb2"),
+                importlib.import_module("disagg.control._proto.coordinator_pb2_grpc"))
+    except ModuleNotFoundError as e:
+        if not (e.name or "").startswith("disagg.control._proto"):
+            raise
+        missing = e
+    from disagg.control import gen
+
+    try:
+        gen.generate()
+    except (ImportError, FileNotFoundError, RuntimeError) as e:
+        raise ImportError(
+            "the coordinator's gRPC stubs (disagg/control/_proto) are missing and could not be generated "
+            f"({e}): they are made at install time; regenerate them with `python -m disagg.control.gen`"
+        ) from missing
+    importlib.invalidate_caches()
+    return (importlib.import_module("disagg.control._proto.coordinator_pb2"),
+            importlib.import_module("disagg.control._proto.coordinator_pb2_grpc"))
+
+
+pb, pb_grpc = _import_stubs()
 
 __all__ = ["pb", "pb_grpc"]
 

@@ -78,6 +78,7 @@ class CoordinatorState:
         self._checkpoint_waiters = 0  # Checkpoint calls waiting for the next written checkpoint
         self._last_checkpoint: tuple[int, int, str] | None = None  # (step, version, path)
         self._checkpoint_seq = 0
+        self._checkpoint_scheduled = False  # a periodic checkpoint is due (nobody waits for it)
         self._metrics: list[tuple[int, dict[str, float]]] = []
         self._metrics_kept = 10_000
         self._changed = threading.Condition(self._lock)  # metrics, checkpoints, phase
@@ -357,34 +358,19 @@ class CoordinatorState:
 
     def checkpoint_wanted(self) -> bool:
         with self._lock:
-            return self._checkpoint_waiters > 0
+            return self._checkpoint_waiters > 0 or self._checkpoint_scheduled
 
     def checkpoint_written(self, step: int, policy_version: int, path: str) -> None:
         with self._lock:
             self._last_checkpoint = (step, policy_version, path)
             self._checkpoint_seq += 1
+            self._checkpoint_scheduled = False
             self._changed.notify_all()
 
     def schedule_checkpoint(self) -> None:
-        """Ask for the next checkpoint without waiting for it (the driver's periodic checkpoints).
-
-        Counted as a Checkpoint waiter from now (``checkpoint_wanted`` is true on return) until a
-        checkpoint is written or the run ends; a short-lived thread holds that place, as the
-        blocking ``request_checkpoint`` does for a gRPC call.
-        """
+        """Ask for the next checkpoint without waiting for it (the driver's periodic checkpoints)."""
         with self._lock:
-            seq = self._checkpoint_seq
-            self._checkpoint_waiters += 1
-
-        def wait() -> None:
-            with self._lock:
-                try:
-                    self._changed.wait_for(lambda: self._checkpoint_seq > seq or self._run["phase"] in
-                                           ("stopped", "failed"))
-                finally:
-                    self._checkpoint_waiters -= 1
-
-        threading.Thread(target=wait, name="scheduled-checkpoint", daemon=True).start()
+            self._checkpoint_scheduled = True
 
     def _check_running(self, what: str) -> None:
         phase = self._phase_locked()

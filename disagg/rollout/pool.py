@@ -31,8 +31,10 @@ class RolloutPool:
     that left gave back, else its own placement group (``cluster.bundles``' rollout bundle).
     """
 
-    def __init__(self, cfg: Config, pg, device: str, model_path: str, coordinator=None):
+    def __init__(self, cfg: Config, pg, device: str, model_path: str, coordinator=None,
+                 label_selector: dict[str, str] | None = None):
         self.cfg, self.device, self.model_path, self.coordinator = cfg, device, model_path, coordinator
+        self.label_selector = dict(label_selector or {})  # cluster.rollout_nodes, for engines added later
         self.timeout_s = cfg.cluster.actor_timeout_s
         self.tp = cfg.rollout.tensor_parallel_size
         self.engines: list = []
@@ -95,8 +97,9 @@ class RolloutPool:
             eid, handle = self._create(pg, indices, own_pg=False)
         else:
             _, rb = bundles(self.cfg, self.device)
+            sel = [dict(self.label_selector)] * self.tp if self.label_selector else None
             pg = placement_group([dict(rb[0]) for _ in range(self.tp)], strategy="PACK",
-                                 name=f"disagg-rollout-engine-{self._next_id}")
+                                 name=f"disagg-rollout-engine-{self._next_id}", bundle_label_selector=sel)
             eid, handle = self._create(pg, list(range(self.tp)), own_pg=True)
         log.info("engine %d launched (%s)", eid, "own placement group" if self._slots[eid][2] else "a freed bundle")
         return eid, handle, handle.start.remote()

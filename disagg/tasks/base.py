@@ -71,7 +71,18 @@ class PromptRow:
 
 
 class PromptSource(Protocol):
+    """A deterministic, endless stream of rows: row ``i`` is the same whenever it is asked for.
+
+    ``cursor`` is the index of the next row ``__iter__`` yields (the ``start`` a source is
+    built with); a resumed run starts there and asks ``row_at`` for the rows that were
+    drawn but not trained when its checkpoint was written.
+    """
+
+    cursor: int
+
     def __iter__(self) -> Iterator[PromptRow]: ...
+
+    def row_at(self, index: int) -> PromptRow: ...
 
     @property
     def num_skipped(self) -> int: ...

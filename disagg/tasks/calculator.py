@@ -67,11 +67,14 @@ class CalculatorSource:
     def num_skipped(self) -> int:
         return 0
 
+    def row_at(self, index: int) -> PromptRow:
+        row = make_row(random.Random(self.seed * 1_000_003 + index), self.num_digits)
+        return PromptRow(index, row["messages"][0]["content"], row)
+
     def __iter__(self) -> Iterator[PromptRow]:
         while True:
-            row = make_row(random.Random(self.seed * 1_000_003 + self.cursor), self.num_digits)
-            yield PromptRow(self.cursor, row["messages"][0]["content"], row)
             self.cursor += 1
+            yield self.row_at(self.cursor - 1)
 
     def sft_sequences(self, n: int, seed: int, fmt, tools: list[dict]) -> list[tuple[list[int], list[int]]]:
         """(token ids, loss mask) of ``n`` worked trajectories: call the calculator, answer with its result."""

@@ -107,12 +107,14 @@ class CodeTaskSource:
     def num_skipped(self) -> int:
         return 0
 
-    def __iter__(self):
+    def row_at(self, index: int):
         from disagg.tasks.base import PromptRow
 
+        rng = random.Random(self.seed * 1_000_003 + index)
+        prompt, asserts = rng.choice(_TEMPLATES)(rng)
+        return PromptRow(index, prompt, {"prompt": prompt, "tests": "\n".join(asserts) + "\n"})
+
+    def __iter__(self):
         while True:
-            rng = random.Random(self.seed * 1_000_003 + self.cursor)
-            prompt, asserts = rng.choice(_TEMPLATES)(rng)
-            row = {"prompt": prompt, "tests": "\n".join(asserts) + "\n"}
-            yield PromptRow(self.cursor, prompt, row)
             self.cursor += 1
+            yield self.row_at(self.cursor - 1)

@@ -53,6 +53,7 @@ class FilePromptSource:
         self.shuffle = shuffle
         self.cursor = start
         self.skipped: dict[str, int] = {}
+        self._order: tuple[int, list[int]] = (-1, [])  # (epoch, row order) of the latest row_at
         self._rows = self._load()
         if not self._rows:
             raise ConfigError(f"data.train_files={files!r}: no usable rows (prompt column {prompt_key!r})")
@@ -81,15 +82,20 @@ class FilePromptSource:
     def num_skipped(self) -> int:
         return sum(self.skipped.values())
 
-    def __iter__(self) -> Iterator[PromptRow]:
+    def row_at(self, index: int) -> PromptRow:
+        """Row ``index`` of the stream: epoch ``index // len(rows)``, each epoch in its own seeded order."""
         import random
 
-        n = len(self._rows)
-        while True:
-            epoch, pos = divmod(self.cursor, n)
-            order = list(range(n))
+        epoch, pos = divmod(index, len(self._rows))
+        if self._order[0] != epoch:
+            order = list(range(len(self._rows)))
             if self.shuffle:
                 random.Random(self.seed + epoch).shuffle(order)
-            rec = self._rows[order[pos]]
-            yield PromptRow(self.cursor, rec[self.prompt_key], rec)
+            self._order = (epoch, order)
+        rec = self._rows[self._order[1][pos]]
+        return PromptRow(index, rec[self.prompt_key], rec)
+
+    def __iter__(self) -> Iterator[PromptRow]:
+        while True:
             self.cursor += 1
+            yield self.row_at(self.cursor - 1)

@@ -40,12 +40,14 @@ class ReverseDigitsSource:
     def num_skipped(self) -> int:
         return 0
 
+    def row_at(self, index: int) -> PromptRow:
+        row = make_row(random.Random(self.seed * 1_000_003 + index), self.num_digits)
+        return PromptRow(index, row["prompt"], row)
+
     def __iter__(self) -> Iterator[PromptRow]:
         while True:
-            rng = random.Random(self.seed * 1_000_003 + self.cursor)
-            row = make_row(rng, self.num_digits)
-            yield PromptRow(self.cursor, row["prompt"], row)
             self.cursor += 1
+            yield self.row_at(self.cursor - 1)
 
     def sft_examples(self, n: int, seed: int) -> list[tuple[str, str]]:
         """(prompt, completion) pairs for the warm start, disjoint seed space."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from disagg.cluster import bundle_order
 from disagg.config import Config
 from disagg.logs import ray_get_logged
 from disagg.samples import TrainSample
@@ -27,11 +28,12 @@ class TrainerGroup:
         self.timeout_s = cfg.cluster.actor_timeout_s
         n = cfg.trainer.num_workers
         cls = ray.remote(TrainerWorker)
+        bundle = bundle_order(pg)  # rank i on bundle[i]: ranks ordered by node, then device
         self.workers = [
             cls.options(
                 num_cpus=cfg.trainer.cpus_per_worker,
                 num_gpus=1 if device == "cuda" else 0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle[i]),
                 name=None,
             ).remote(i, n, model_path, cfg.trainer, cfg.algorithm, cfg.transport, cfg.rollout.temperature, device,
                      cfg.logging.level)
@@ -101,3 +103,18 @@ class TrainerGroup:
 
         for w in self.workers:
             ray.kill(w)
+
+    def load_checkpoint(self, path: str, reference_path: str | None = None) -> dict[str, float]:
+        """Every worker loads its part of a checkpoint's optimizer, scheduler and RNG state (see
+        TrainerWorker.load_checkpoint); returns rank 0's optimizer summary and parameter checksum."""
+        outs = self._get([w.load_checkpoint.remote(path, reference_path) for w in self.workers],
+                         f"loading checkpoint {path}")
+        return outs[0]
+
+    def optimizer_summary(self) -> dict[str, float]:
+        """Adam's step count, sum of |exp_avg| and learning rate (inspection; a collective under FSDP)."""
+        return self._get([w.optimizer_summary.remote() for w in self.workers], "optimizer summary")[0]
+
+    def param_checksum(self) -> float:
+        """The sum of every parameter (inspection; a collective under FSDP)."""
+        return self._get([w.param_checksum.remote() for w in self.workers], "parameter checksum")[0]

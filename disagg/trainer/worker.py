@@ -59,6 +59,11 @@ class TrainerWorker:
 
         return ray.util.get_node_ip_address()
 
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
     def free_port(self) -> int:
         from disagg.transport.group import pick_free_port
 
@@ -226,22 +231,21 @@ class TrainerWorker:
         """Write the model (HF layout, safetensors) and the optimizer/scheduler/RNG state under ``path``.
 
         Every rank must call this (under FSDP the full state dicts are gathered collectively);
-        rank 0 writes the model and the full optimizer state keyed by parameter name, so a
-        resume (not built yet) can load a checkpoint written by N workers into M. Each rank
-        writes its own RNG state.
+        rank 0 writes the model and the full optimizer state keyed by parameter name, so
+        ``load_checkpoint`` loads a checkpoint written by N workers into M. Each rank writes its
+        own RNG state.
         """
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                             get_optimizer_state_dict)
+
         out = Path(path)
         out.mkdir(parents=True, exist_ok=True)
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
         if self.world_size > 1:
-            from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                                 get_optimizer_state_dict)
-
-            opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
             model_sd = get_model_state_dict(self.model, options=opts)
-            optim_sd = get_optimizer_state_dict(self.model, self.opt, options=opts)
         else:
             model_sd = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
-            optim_sd = self.opt.state_dict()
+        optim_sd = get_optimizer_state_dict(self.model, self.opt, options=opts)
         torch.save({"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if
                     torch.cuda.is_available() else None}, out / f"rng_rank{self.rank}.pt")
         if self.rank == 0:
@@ -249,6 +253,60 @@ class TrainerWorker:
             torch.save({"optimizer": optim_sd, "scheduler": self.sched.state_dict(), "world_size": self.world_size},
                        out / "optimizer.pt")
         return {"rank": self.rank, "path": str(out)}
+
+    def load_checkpoint(self, path: str, reference_path: str | None = None) -> dict[str, Any]:
+        """Load a checkpoint's optimizer, scheduler and RNG state (``setup`` loaded its weights: the
+        checkpoint is this worker's model path); with ``reference_path``, reload the KL reference
+        model from there (the run's base model, not the checkpoint).
+
+        Every rank must call this: the optimizer state is full and keyed by parameter name, and each
+        rank keeps its own shards of it (any number of workers loads a checkpoint of any number).
+        Rank r takes ``rng_rank<r>.pt``, or rank 0's if the checkpoint had fewer workers. Returns
+        ``optimizer_summary`` and ``param_checksum`` (collectives under FSDP).
+        """
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        src = Path(path)
+        saved = torch.load(src / "optimizer.pt", map_location="cpu", mmap=True, weights_only=True)
+        set_optimizer_state_dict(self.model, self.opt, saved["optimizer"],
+                                 options=StateDictOptions(full_state_dict=True))
+        self.sched.load_state_dict(saved["scheduler"])
+        rng_file = src / f"rng_rank{self.rank}.pt"
+        if not rng_file.exists():
+            log.info("%s has no RNG state of rank %d (written by %d workers): rank 0's", path, self.rank,
+                     saved["world_size"])
+            rng_file = src / "rng_rank0.pt"
+        rng = torch.load(rng_file, weights_only=True)
+        torch.set_rng_state(rng["torch"])
+        if rng["cuda"] is not None and self.device.type == "cuda":
+            torch.cuda.set_rng_state(rng["cuda"][0], self.device)
+        if reference_path is not None and self.ref_model is not None:
+            from transformers import AutoModelForCausalLM
+
+            self.ref_model = AutoModelForCausalLM.from_pretrained(reference_path, dtype=torch.float32).to(self.device)
+            self.ref_model.eval().requires_grad_(False)
+        summary = {**self.optimizer_summary(), "param_checksum": self.param_checksum()}
+        log.info("optimizer, scheduler and RNG state loaded from %s (written by %d workers): Adam step %d, lr %.3g",
+                 path, saved["world_size"], summary["optimizer_step"], summary["lr"])
+        return summary
+
+    @torch.no_grad()
+    def optimizer_summary(self) -> dict[str, float]:
+        """Adam's step count, the sum of |exp_avg| over every parameter and the current learning rate
+        (a collective under FSDP: every rank in lockstep). Inspection: it shows a resume loaded the state."""
+        steps, total = 0, torch.zeros((), dtype=torch.float64, device=self.device)
+        for p in self.model.parameters():
+            st = self.opt.state.get(p)
+            if st:
+                t = st["exp_avg"]
+                t = t.to_local() if hasattr(t, "to_local") else t
+                total += t.double().abs().sum()
+                steps = max(steps, int(st["step"]))
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(total)
+        return {"optimizer_step": steps, "exp_avg_abs_sum": float(total), "lr": float(self.sched.get_last_lr()[0])}
 
     # ---- weights -------------------------------------------------------------------
     def _full_params(self) -> dict[str, torch.Tensor]:

@@ -273,3 +273,49 @@ def test_pipeline_trains_on_trajectories(job, tok):
     assert masked, "no trained sample had a masked tool response"
     for s in masked:
         assert s.num_trained_tokens == sum(s.loss_mask) < len(s.response_ids)
+
+
+def test_agent_pipeline_scales_its_rollout_pool_over_grpc(job, tok):
+    """ScaleRollout with agent runners: 2 -> 1 drains engine 1 (its sessions finish, new ones go
+    elsewhere, then it leaves and the runners forget it); 1 -> 2 starts engine 2 on the bundle
+    engine 1 gave back, and once it serves the trainer's weights the runners route sessions to it."""
+    from disagg.control.client import CoordinatorClient
+    from disagg.train import make_pipeline
+
+    _synced(job)
+    client = CoordinatorClient(job.coordinator.address, timeout_s=30, token=job.token)
+    seen: list[tuple[int, dict, dict]] = []
+
+    def on_step(step: int, rec: dict) -> None:
+        stats = pipe.agent_stats()
+        requests = {}
+        for s in stats:
+            for e, n in s["requests_per_engine"].items():
+                requests[int(e)] = requests.get(int(e), 0) + n
+        seen.append((step, rec, requests))
+        done = {k for k, _ in events}
+        if "down" not in done:
+            events.append(("down", client.scale_rollout(1, "agent test")))
+        elif "up" not in done and rec["rollout/engines_left"] == 1:
+            events.append(("up", client.scale_rollout(2, "agent test")))
+        elif "up" in done and "stop" not in done and requests.get(2, 0) >= 8:
+            events.append(("stop", client.stop("agent test done")))
+        elif len(seen) >= 300 and "stop" not in done:
+            events.append(("stop", client.stop("agent test timed out")))
+
+    events: list[tuple[str, str]] = []
+    pipe = make_pipeline(job.cfg, job, tok, on_step=on_step)
+    v0 = job.coordinator.state.latest_version()
+    try:
+        records = pipe.run(400, first_step=v0)
+    finally:
+        client.close()
+    assert [k for k, _ in events] == ["down", "up", "stop"] and pipe.stopped == "agent test done"
+    assert records[-1]["rollout/engines_left"] == 1 and records[-1]["rollout/engines_joined"] == 1
+    assert all(r["rollout/prompts_lost"] == 0 for r in records)
+    # Engine 1 got no request after it left; engine 2 got sessions once it joined.
+    left = next(i for i, (_, rec, _) in enumerate(seen) if rec["rollout/engines_left"] == 1)
+    assert seen[-1][2].get(1, 0) == seen[left][2].get(1, 0)
+    assert seen[-1][2].get(2, 0) >= 8
+    assert pipe.join_version[2] >= v0 and job.rollout.engine_ids == [0, 2]
+    assert all(r["samples/trained"] == 16 for r in records)

@@ -1,0 +1,280 @@
+"""Multi-node jobs: a two-node Ray cluster on this machine (two `ray start` processes, each
+node offering its own custom resource), `ray job submit --working-dir <repo>` of `disagg train`
+against it, the trainer and the engines on different nodes and the weight sync between them.
+
+Everything is started through the real `ray` CLI in subprocesses of their own, in a temp dir of
+its own, on free ports; the teardown kills every process of that cluster (by process group,
+then by pid) so nothing is left for the tests that start their own local Ray with ray.init().
+This process never connects to the cluster and never sets RAY_ADDRESS.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import SMALL_CLI
+
+REPO = Path(__file__).resolve().parents[2]
+RAY = str(Path(sys.executable).with_name("ray"))
+STEPS = 2
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+class TwoNodeCluster:
+    """A head node with {"trainer_node": 4} and a second node with {"rollout_node": 4}, 2 CPUs each."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.gcs_port, self.dashboard_port, self.client_port = _free_ports(3)
+        # The venv's bin first: `ray start` runs the job's driver and workers with this environment,
+        # as a cluster started from the venv where disagg is installed. Ray's default token
+        # authentication (~/.ray/auth_token) is made explicit: a joining node needs it set.
+        self.env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
+                    "RAY_AUTH_MODE": "token", "RAY_DEDUP_LOGS": "0"}
+        self.env.pop("RAY_ADDRESS", None)
+        self.procs: list[subprocess.Popen] = []
+        self.nodes: list[dict] = []
+
+    def start(self) -> None:
+        self._start("head", {"trainer_node": 4}, ["--head", "--port", str(self.gcs_port), "--include-dashboard", "true",
+                                                   "--dashboard-host", "127.0.0.1", "--dashboard-port",
+                                                   str(self.dashboard_port), "--ray-client-server-port",
+                                                   str(self.client_port)])
+        self.wait_nodes(1, 120)
+        self._start("worker", {"rollout_node": 4}, ["--address", f"127.0.0.1:{self.gcs_port}"])
+        self.nodes = self.wait_nodes(2, 120)
+
+    @property
+    def dashboard(self) -> str:
+        return f"http://127.0.0.1:{self.dashboard_port}"
+
+    def _start(self, name: str, resources: dict, args: list[str]) -> None:
+        # Two nodes on one host: each its own temp dir and its own agent/manager ports (the
+        # defaults, e.g. the dashboard agent's 52365, would collide with each other and with other
+        # Ray instances on this machine). Ray replaces 127.0.0.1 with the host's own address.
+        ports = _free_ports(6)
+        temp = self.root / name
+        temp.mkdir()
+        cmd = [RAY, "start", "--block", *args, "--node-ip-address", "127.0.0.1", "--num-cpus", "2",
+               "--resources", json.dumps(resources), "--object-store-memory", str(100 * 1024 * 1024),
+               "--temp-dir", str(temp), "--disable-usage-stats",
+               "--node-manager-port", str(ports[0]), "--object-manager-port", str(ports[1]),
+               "--dashboard-agent-listen-port", str(ports[2]), "--dashboard-agent-grpc-port", str(ports[3]),
+               "--runtime-env-agent-port", str(ports[4]), "--metrics-export-port", str(ports[5])]
+        log = open(self.root / f"{name}.log", "w")
+        self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                                           start_new_session=True))
+        log.close()
+
+    def ray(self, *args: str, timeout_s: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:
+        return subprocess.run([RAY, *args], capture_output=True, text=True, timeout=timeout_s,
+                              env={**self.env, **(env or {})})
+
+    def wait_nodes(self, n: int, timeout_s: float) -> list[dict]:
+        """The alive nodes (`ray list nodes`) once there are ``n``."""
+        deadline = time.monotonic() + timeout_s
+        out = None
+        while time.monotonic() < deadline:
+            for p in self.procs:
+                assert p.poll() is None, f"`ray start` exited ({p.returncode}):\n{self.logs()}"
+            out = self.ray("list", "nodes", "--address", self.dashboard, "--format", "json", "--filter",
+                           "state=ALIVE", timeout_s=60)
+            if out.returncode == 0:
+                nodes = json.loads(out.stdout) if out.stdout.lstrip().startswith("[") else []  # or "No resource"
+                if len(nodes) == n:
+                    return nodes
+            time.sleep(2)
+        raise AssertionError(f"{n} Ray nodes not up after {timeout_s:.0f}s: {out and out.stderr[-2000:]}\n"
+                             f"{self.logs()}")
+
+    def node_with(self, resource: str) -> dict:
+        (node,) = [n for n in self.nodes if resource in n["resources_total"]]
+        return node
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(self.root.glob("*.log")))
+
+    def stop(self) -> None:
+        """Kill every process of this cluster: the `ray start` process groups, then any process
+        that escaped them (workers, the job's driver: their command line or environment names
+        this cluster's temp dir or GCS port)."""
+        for p in self.procs:
+            _kill_group(p.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 3  # `ray start --block` may hang draining a node whose GCS is gone
+        for p in self.procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+            _kill_group(p.pid, signal.SIGKILL)
+            p.wait(timeout=30)
+        marks = (str(self.root).encode(), f"RAY_ADDRESS={_host_ip()}:{self.gcs_port}".encode())
+        for _ in range(3):
+            left = [pid for pid in _pids() if pid != os.getpid() and any(m in _proc_text(pid) for m in marks)]
+            if not left:
+                return
+            for pid in left:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            time.sleep(1)
+
+
+def _kill_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _pids() -> list[int]:
+    return [int(d) for d in os.listdir("/proc") if d.isdigit()]
+
+
+def _proc_text(pid: int) -> bytes:
+    text = b""
+    for part in ("cmdline", "environ"):
+        try:
+            text += Path(f"/proc/{pid}/{part}").read_bytes()
+        except OSError:
+            pass
+    return text
+
+
+def _host_ip() -> str:
+    import ray._private.services
+
+    return ray._private.services.get_node_ip_address()
+
+
+@pytest.fixture(scope="module")
+def two_nodes():
+    root = Path(tempfile.mkdtemp(prefix="dg-mn-", dir="/tmp"))  # short: Ray's socket paths live under it
+    cluster = TwoNodeCluster(root)
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+        shutil.rmtree(root, ignore_errors=True)
+    assert "RAY_ADDRESS" not in os.environ
+
+
+def _job_status(cluster: TwoNodeCluster, job_id: str) -> str:
+    out = cluster.ray("list", "jobs", "--address", cluster.dashboard, "--format", "json", "--filter",
+                      f"submission_id={job_id}", timeout_s=60)
+    jobs = json.loads(out.stdout) if out.returncode == 0 and out.stdout.lstrip().startswith("[") else []
+    return jobs[0]["status"] if jobs else "UNKNOWN"
+
+
+def test_ray_job_submit_places_trainer_and_engines_on_different_nodes(two_nodes, model_cache, tmp_path):
+    cluster = two_nodes
+    run_dir = tmp_path / "run"
+    job_id = f"disagg-multinode-{os.getpid()}"
+    entrypoint = [
+        "disagg", "train", f"trainer.total_steps={STEPS}", *SMALL_CLI, f"model.cache_dir={model_cache}",
+        f"run_dir={run_dir}", f"hydra.run.dir={run_dir}", f"logging.root_dir={tmp_path}",
+        "+cluster.trainer_resources.trainer_node=1", "+cluster.rollout_resources.rollout_node=1",
+    ]
+    t0 = time.monotonic()
+    # The upload follows .gitignore, so it carries no generated gRPC stubs: the uploaded package
+    # (first on the path of the driver and every actor) generates them from protos/ on import.
+    sub = cluster.ray("job", "submit", "--address", cluster.dashboard, "--submission-id", job_id, "--no-wait",
+                      "--working-dir", str(REPO), "--", *entrypoint, timeout_s=300)
+    assert sub.returncode == 0, f"ray job submit failed:\n{sub.stdout[-3000:]}\n{sub.stderr[-3000:]}"
+    status, deadline = "PENDING", time.monotonic() + 900
+    while status in ("PENDING", "RUNNING", "UNKNOWN") and time.monotonic() < deadline:
+        time.sleep(2)
+        status = _job_status(cluster, job_id)
+    wall_s = time.monotonic() - t0
+    logs = cluster.ray("job", "logs", job_id, "--address", cluster.dashboard, timeout_s=60).stdout
+    if status in ("PENDING", "RUNNING", "UNKNOWN"):
+        cluster.ray("job", "stop", job_id, "--address", cluster.dashboard, "--no-wait", timeout_s=60)
+    print(f"job {job_id}: {status} after {wall_s:.0f}s")
+    assert status == "SUCCEEDED", f"job {job_id} ended {status} after {wall_s:.0f}s; its log:\n{logs[-12000:]}"
+
+    # Every trainer rank on the trainer_node node, every engine on the rollout_node node.
+    trainer_node = cluster.node_with("trainer_node")["node_id"]
+    rollout_node = cluster.node_with("rollout_node")["node_id"]
+    assert trainer_node != rollout_node
+    placement = json.loads((run_dir / "placement.json").read_text())
+    assert [(t["rank"], t["node_id"]) for t in placement["trainer"]] == [(0, trainer_node)], placement
+    assert [(e["engine_id"], e["node_id"]) for e in placement["rollout"]] == [(0, rollout_node)], placement
+
+    # The weights crossed between the nodes every step, and the engines served each new version.
+    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs] == list(range(1, STEPS + 1)), logs[-5000:]
+    assert all(r["weight_sync/bytes"] > 0 and r["samples/trained"] > 0 for r in recs)
+    assert [r["policy_version"] for r in recs] == list(range(2, STEPS + 2))
+    assert "run directory:" in logs
+
+
+# Runs in a driver of its own on the cluster (no vLLM): node lists resolve to the named nodes,
+# and what cannot be placed fails before any placement group is made.
+_POOLS_SCRIPT = r"""
+import json, sys
+import ray
+from ray.util.placement_group import placement_group_table
+from disagg.cluster import create_pools
+from disagg.config import load_config
+from disagg.errors import ConfigError
+
+trainer_node, rollout_node = sys.argv[1:3]
+ray.init(log_to_driver=False)
+cfg = load_config({"cluster": {"trainer_nodes": [trainer_node], "rollout_nodes": [rollout_node]},
+                   "trainer": {"num_workers": 2}, "rollout": {"num_engines": 2}})
+pools = create_pools(cfg, "cpu")
+out = {"trainer": placement_group_table(pools.trainer_pg)["bundles_to_node_id"],
+       "rollout": placement_group_table(pools.rollout_pg)["bundles_to_node_id"],
+       "rollout_label_selector": pools.rollout_label_selector}
+for name, cluster in [("unknown_node", {"trainer_nodes": ["203.0.113.7"]}),
+                      ("missing_resource", {"rollout_resources": {"gpu_box": 1}}),
+                      ("node_too_small", {"rollout_nodes": [rollout_node]})]:
+    try:
+        create_pools(load_config({"cluster": cluster, "rollout": {"num_engines": 3}}), "cpu")
+        out[name] = None
+    except ConfigError as e:
+        out[name] = str(e)
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_node_lists_pin_the_pools_and_bad_placement_fails_fast(two_nodes):
+    cluster = two_nodes
+    trainer_node = cluster.node_with("trainer_node")["node_id"]
+    rollout_node = cluster.node_with("rollout_node")["node_id"]
+    env = {**cluster.env, "RAY_ADDRESS": f"127.0.0.1:{cluster.gcs_port}"}
+    proc = subprocess.run([sys.executable, "-c", _POOLS_SCRIPT, trainer_node, rollout_node], capture_output=True,
+                          text=True, timeout=300, env=env, cwd=REPO)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    out = json.loads(lines[-1][len("RESULT "):])
+    assert set(out["trainer"].values()) == {trainer_node}
+    assert set(out["rollout"].values()) == {rollout_node}
+    assert out["rollout_label_selector"] == {"ray.io/node-id": rollout_node}
+    assert "cluster.trainer_nodes=['203.0.113.7']" in out["unknown_node"]
+    assert trainer_node in out["unknown_node"] and rollout_node in out["unknown_node"]
+    assert "cluster.rollout_resources.gpu_box=1" in out["missing_resource"]
+    assert f"cluster.rollout_nodes=['{rollout_node}']" in out["node_too_small"]
+    assert "needs 3 CPU" in out["node_too_small"]
