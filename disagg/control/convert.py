@@ -119,12 +119,14 @@ def pool_from_proto(p: pb.PoolInfo) -> PoolStatus:
 
 def engine_info_to_proto(e: EngineInfo) -> pb.EngineInfo:
     return pb.EngineInfo(
-        engine_id=e.engine_id, node_ip=e.node_ip, pid=e.pid, address=e.address, state=engine_state_to_proto(e.state)
+        engine_id=e.engine_id, node_ip=e.node_ip, pid=e.pid, address=e.address, state=engine_state_to_proto(e.state),
+        expected_tensors=[pb.TensorSpec(name=t.name, shape=list(t.shape), dtype=t.dtype) for t in e.expected_tensors],
     )
 
 
 def engine_info_from_proto(p: pb.EngineInfo) -> EngineInfo:
-    return EngineInfo(p.engine_id, p.node_ip, p.pid, p.address, engine_state_from_proto(p.state))
+    return EngineInfo(p.engine_id, p.node_ip, p.pid, p.address, engine_state_from_proto(p.state),
+                      tuple(TensorSpec(t.name, tuple(t.shape), t.dtype) for t in p.expected_tensors))
 
 
 def engine_status_to_proto(e: EngineStatus) -> pb.EngineStatus:

@@ -26,7 +26,7 @@ from disagg.control.auth import TokenAuthInterceptor, server_credentials
 from disagg.control.convert import pb, pb_grpc
 from disagg.control.types import POOL_NAMES, ClusterStatus, EngineInfo, EngineState, EngineStatus, PoolStatus
 from disagg.errors import ControlError
-from disagg.transport.manifest import Manifest
+from disagg.transport.manifest import Manifest, layout_mismatch
 
 logger = logging.getLogger("disagg.control")
 
@@ -72,6 +72,8 @@ class CoordinatorState:
         # ScaleRollout: the driver registers a check (n -> None or why n engines cannot run) and
         # polls the target; None until a scale request arrives.
         self._scale_check = None
+        self._expected: dict[int, tuple] = {}  # engine id -> its model's TensorSpecs (trainer names)
+        self._layouts_checked: set[tuple[str, int]] = set()  # (manifest layout digest, engine id) that agree
         self._members: set[int] | None = None
         self._scale_target: int | None = None
         self._stop_reason: str | None = None
@@ -101,6 +103,8 @@ class CoordinatorState:
         with self._lock:
             previous = self._engines.get(info.engine_id)
             self._engines[info.engine_id] = status
+            self._expected[info.engine_id] = tuple(info.expected_tensors)
+            self._layouts_checked = {k for k in self._layouts_checked if k[1] != info.engine_id}
         again = f" (replacing pid {previous.pid} on {previous.node_ip})" if previous else ""
         logger.info("[coordinator] engine %d registered from %s pid %d in %s%s", info.engine_id, info.node_ip,
                     info.pid, info.state.value, again)
@@ -126,6 +130,7 @@ class CoordinatorState:
                 raise RejectedError(grpc.StatusCode.FAILED_PRECONDITION,
                                     f"policy_version {version} re-announced with layout digest {digest}, "
                                     f"announced before with {self._manifests[version][1]}")
+            self._check_layout_locked(manifest, digest)
             self._manifests[version] = (manifest, digest)
             while len(self._manifests) > self._num_manifests_kept:
                 self._manifests.popitem(last=False)
@@ -134,6 +139,22 @@ class CoordinatorState:
         logger.debug("[coordinator] policy_version %d announced at trainer step %d: %d tensors in %d buckets, "
                     "%d bytes, layout %s", version, trainer_step, len(manifest.tensors), len(manifest.buckets),
                     manifest.total_bytes, digest)
+
+    def _check_layout_locked(self, manifest: Manifest, digest: str) -> None:
+        """Refuse a version whose tensors disagree with a live engine's model: before any byte is
+        sent, so every engine keeps serving the version it has."""
+        for engine_id, expected in self._expected.items():
+            engine = self._engines.get(engine_id)
+            if not expected or engine is None or not engine.state.is_live or (digest, engine_id) in self._layouts_checked:
+                continue
+            problems = layout_mismatch(manifest.tensors, expected)
+            if problems:
+                raise RejectedError(grpc.StatusCode.FAILED_PRECONDITION,
+                                    f"policy_version {manifest.policy_version} does not fit engine {engine_id}'s model "
+                                    f"({len(manifest.tensors)} tensors announced, the model has {len(expected)}): "
+                                    + "; ".join(problems) + ". Nothing was sent; the engines keep serving version "
+                                    f"{self._committed_locked()}. Is the trainer's model the engines' (model.path)?")
+            self._layouts_checked.add((digest, engine_id))
 
     def get_manifest(self, policy_version: int) -> Manifest:
         with self._lock:
@@ -320,6 +341,7 @@ class CoordinatorState:
         """An engine left the pool (scaled down): it no longer appears in the status."""
         with self._lock:
             gone = self._engines.pop(engine_id, None)
+            self._expected.pop(engine_id, None)
             self._engine_load.pop(engine_id, None)
         if gone is not None:
             logger.info("[coordinator] engine %d left the pool", engine_id)

@@ -51,6 +51,7 @@ class EngineInfo:
     pid: int
     address: str = ""  # the engine's serving address; empty if it serves none
     state: EngineState = EngineState.STARTING
+    expected_tensors: tuple = ()  # TensorSpecs of its model as a trainer names them; () = not checked
 
 
 @dataclass(frozen=True)

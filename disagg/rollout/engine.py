@@ -29,6 +29,26 @@ log = logging.getLogger("disagg.rollout")
 WORKER_EXTENSION = "disagg.rollout.vllm_transfer.DisaggWorkerExtension"
 
 
+def model_tensor_specs(model_path: str) -> tuple:
+    """The parameters of ``model_path``'s architecture as a trainer names them (HF), built on the
+    meta device (no memory, no weights read). The coordinator refuses a version whose manifest
+    disagrees, before any byte is sent. Empty (not checked) if transformers cannot build it."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from disagg.transport.manifest import TensorSpec
+
+    try:
+        config = AutoConfig.from_pretrained(model_path)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception as e:  # noqa: BLE001 - an architecture HF cannot build here: the check is skipped, said once
+        log.warning("cannot build %s on the meta device (%s): weight manifests are not checked against it",
+                    model_path, e)
+        return ()
+    return tuple(TensorSpec(n, tuple(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in model.named_parameters())
+
+
 class EngineActor:
     """A vLLM engine behind a weights-loaded gate. Wrapped with ``ray.remote`` by the pool."""
 
@@ -96,7 +116,8 @@ class EngineActor:
             from disagg.control.types import EngineInfo, EngineState
 
             state = EngineState.READY if self._weights_loaded.is_set() else EngineState.WAITING_FOR_WEIGHTS
-            self._coord.register_engine(EngineInfo(self.engine_id, node, os.getpid(), self.address, state))
+            self._coord.register_engine(EngineInfo(self.engine_id, node, os.getpid(), self.address, state,
+                                                   model_tensor_specs(self.model_path)))
             self._registered = True
         log.info("engine started in %.1fs (load_format=%s)", start_s, self.cfg.load_format)
         return {"engine_id": self.engine_id, "start_s": start_s, "node_ip": node, "pid": os.getpid(),

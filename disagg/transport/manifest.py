@@ -16,6 +16,7 @@ import functools
 import hashlib
 import json
 from dataclasses import dataclass, field
+from typing import Sequence
 
 # Bytes per element for the dtypes a manifest may carry (torch dtype names).
 DTYPE_BYTES: dict[str, int] = {
@@ -190,3 +191,30 @@ def plan_buckets(specs: list[TensorSpec], bucket_bytes: int, policy_version: int
 
     total = sum(s.nbytes for s in specs)
     return Manifest(policy_version, bucket_bytes, tuple(specs), tuple(buckets), total)
+
+
+def layout_mismatch(sent: Sequence[TensorSpec], expected: Sequence[TensorSpec], limit: int = 5) -> list[str]:
+    """How the tensors a sender announces disagree with a receiver model's (empty: they agree).
+
+    Names and shapes must match exactly; dtypes only in kind (a floating tensor may be sent
+    in another floating dtype, the receiver casts). At most ``limit`` problems, then a count.
+    """
+    want = {t.name: t for t in expected}
+    got = {t.name: t for t in sent}
+    problems = [f"{n!r} is not a parameter of the model" for n in got if n not in want]
+    problems += [f"{n!r} {tuple(want[n].shape)} is missing" for n in want if n not in got]
+    for n, t in got.items():
+        w = want.get(n)
+        if w is None:
+            continue
+        if tuple(t.shape) != tuple(w.shape):
+            problems.append(f"{n!r} has shape {tuple(t.shape)}, the model's is {tuple(w.shape)}")
+        elif _is_float(t.dtype) != _is_float(w.dtype):
+            problems.append(f"{n!r} is {t.dtype}, the model's is {w.dtype}")
+    if len(problems) > limit:
+        problems = problems[:limit] + [f"... {len(problems) - limit} more"]
+    return problems
+
+
+def _is_float(dtype: str) -> bool:
+    return dtype.startswith(("float", "bfloat")) or dtype in ("half", "double")

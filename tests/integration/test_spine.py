@@ -177,6 +177,34 @@ def test_coordinator_status_lists_engine_and_committed_version(job):
     assert {p.name for p in status.pools} == {"trainer", "rollout"}
 
 
+def test_a_manifest_that_does_not_fit_the_engine_model_is_refused_before_any_byte(job, tok):
+    """A trainer whose model differs from the engines' (here: one tensor's shape) is refused at
+    AnnounceVersion over gRPC; nothing is sent and the engine keeps serving its version."""
+    import dataclasses
+
+    import ray
+
+    from disagg.control.client import ControlRpcError
+    from disagg.transport.manifest import Manifest, plan_buckets
+
+    client = job.control_client()
+    before = client.get_status()
+    good = Manifest.from_dict(ray.get(job.trainer.rank0.manifest.remote(before.latest_version + 1), timeout=60))
+    specs = list(good.tensors)
+    i = next(k for k, t in enumerate(specs) if len(t.shape) == 2)
+    specs[i] = dataclasses.replace(specs[i], shape=(specs[i].shape[0], specs[i].shape[1] + 1))
+    bad = plan_buckets(specs, good.bucket_bytes, good.policy_version)
+    with pytest.raises(ControlRpcError) as e:
+        client.announce_version(bad, trainer_step=99)
+    assert e.value.code == "FAILED_PRECONDITION"
+    assert "engine 0's model" in e.value.details and repr(specs[i].name) in e.value.details
+    assert "Nothing was sent" in e.value.details
+    after = client.get_status()
+    assert after.latest_version == before.latest_version and after.committed_version == before.committed_version
+    res = ray.get(job.rollout.engines[0].generate.remote(_greedy_requests(tok, "after-bad-manifest")), timeout=120)
+    assert all(r.min_version == before.committed_version and r.completions[0].response_ids for r in res)
+
+
 def test_a_dead_engine_fails_the_sync_with_an_error_naming_it(job):
     """Last in the module: it kills the engine. The sync ends in a TransportError naming
     the dead engine within the transport timeout instead of hanging."""

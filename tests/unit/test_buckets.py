@@ -189,3 +189,18 @@ def test_manifest_dict_round_trip_and_digest() -> None:
 @pytest.mark.parametrize("dtype", sorted(DTYPE_BYTES))
 def test_dtype_table_matches_torch(dtype: str) -> None:
     assert torch.empty(0, dtype=torch_dtype(dtype)).element_size() == DTYPE_BYTES[dtype]
+
+
+def test_layout_mismatch_names_each_disagreement():
+    from disagg.transport.manifest import TensorSpec, layout_mismatch
+
+    model = [TensorSpec("a.weight", (4, 8), "float32"), TensorSpec("b.weight", (8,), "float32")]
+    assert layout_mismatch([TensorSpec("a.weight", (4, 8), "bfloat16"), TensorSpec("b.weight", (8,), "float16")],
+                           model) == []  # a floating tensor may travel in another floating dtype
+    problems = layout_mismatch([TensorSpec("a.weight", (8, 4), "float32"), TensorSpec("c.bias", (2,), "float32"),
+                                TensorSpec("b.weight", (8,), "int64")], model)
+    assert "'c.bias' is not a parameter of the model" in problems
+    assert "'a.weight' has shape (8, 4), the model's is (4, 8)" in problems
+    assert "'b.weight' is int64, the model's is float32" in problems
+    many = layout_mismatch([TensorSpec(f"x{i}", (1,), "float32") for i in range(9)], model, limit=3)
+    assert len(many) == 4 and many[-1] == "... 8 more"
