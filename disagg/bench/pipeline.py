@@ -256,14 +256,6 @@ def run(o: PipelineBenchOptions, only: set[str]) -> dict[str, Any]:
     report: dict[str, Any] = {"options": dataclasses.asdict(o), "cpus": os.cpu_count(),
                               "date": time.strftime("%Y-%m-%d"), "rollout_cores": rollout_cores,
                               "trainer_cores": trainer_cores}
-    if rollout_cores:
-        # The driver, Ray's own processes (forked from here: they inherit the affinity) and the
-        # reward workers share the rollout pool's cores; the trainer's cores run the trainer
-        # alone, as a trainer GPU runs nothing else on a cluster. Both sides of every
-        # comparison run this way.
-        from disagg.cluster import pin_process
-
-        pin_process(tuple(rollout_cores), "bench driver and the Ray processes it starts")
     ray.init(num_cpus=o.cpus, include_dashboard=False, ignore_reinit_error=True)
     try:
         if "tail" in only:
