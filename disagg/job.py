@@ -76,7 +76,6 @@ class Job:
     def _start(self) -> None:
         from disagg.control.auth import write_token
         from disagg.control.server import CoordinatorServer
-        from disagg.control.types import PoolStatus
 
         cfg = self.cfg
         device = resolve_device(cfg)
@@ -90,9 +89,8 @@ class Job:
         (self.run_dir / "coordinator.addr").write_text(self.coordinator.address + "\n")
         log.info("coordinator listening on %s (token in %s)", self.coordinator.address, token_path)
         self.pools = create_pools(cfg, device)
-        res = ",".join(f"{k}:{v:g}" for k, v in self.pools.trainer_bundle.items())
-        self.coordinator.state.register_pool(PoolStatus("trainer", cfg.trainer.num_workers, res,
-                                                        self.pools.trainer_pg.id.hex(), cfg.trainer.num_workers))
+        self._register_pool("trainer", self.pools.trainer_pg, self.pools.trainer_bundle, cfg.trainer.num_workers,
+                            cfg.trainer.num_workers)
         self.register_rollout_pool(cfg.rollout.num_engines)
         t0 = time.perf_counter()
         self.rollout = RolloutPool(cfg, self.pools.rollout_pg, device, str(self.model_path), self.control_client(),
@@ -105,12 +103,14 @@ class Job:
 
     def register_rollout_pool(self, num_engines: int) -> None:
         """Tell the coordinator the rollout pool's size (at start and after every scale step)."""
+        self._register_pool("rollout", self.pools.rollout_pg, self.pools.rollout_bundle,
+                            num_engines * self.cfg.rollout.tensor_parallel_size, num_engines)
+
+    def _register_pool(self, name: str, pg, bundle: dict[str, float], num_bundles: int, num_workers: int) -> None:
         from disagg.control.types import PoolStatus
 
-        res = ",".join(f"{k}:{v:g}" for k, v in self.pools.rollout_bundle.items())
-        tp = self.cfg.rollout.tensor_parallel_size
-        self.coordinator.state.register_pool(PoolStatus("rollout", num_engines * tp, res,
-                                                        self.pools.rollout_pg.id.hex(), num_engines))
+        res = ",".join(f"{k}:{v:g}" for k, v in bundle.items())
+        self.coordinator.state.register_pool(PoolStatus(name, num_bundles, res, pg.id.hex(), num_workers))
 
     def change_engines(self, members: list[tuple[int, object]]) -> None:
         """Make ``members`` ((engine id, handle), in rank order) the engines of the transport group:
@@ -210,7 +210,9 @@ class Job:
         import json
         import shutil
 
-        path = self.run_dir / "checkpoints" / f"step_{step:06d}"
+        from disagg.resume import checkpoint_path
+
+        path = checkpoint_path(self.run_dir, step)
         tmp = path.with_name(path.name + ".partial")
         shutil.rmtree(tmp, ignore_errors=True)
         t0 = time.perf_counter()

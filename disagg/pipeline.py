@@ -557,28 +557,31 @@ class Pipeline:
             active += 1
         while active > target:
             if self.launching:  # not serving yet: cancel the newest first
-                ref = next(reversed(self.launching))
-                eid, handle, _ = self.launching.pop(ref)
-                state.remove_engine(eid)
-                pool.retire(eid, handle, background=True)
-            elif self.joining or self.joined:
-                if self.joining:
-                    eid = max(self.joining)
-                    state.remove_engine(eid)
-                    pool.retire(eid, self.joining.pop(eid), background=True)
-                else:  # a member already, waiting for its first sync to land: drain it like the others
-                    eid = self.joined.pop()
-                    self.draining.add(eid)
-                    pool.handle(eid).set_draining.remote(True, "scaled down before it took groups")
+                eid, handle, _ = self.launching.pop(next(reversed(self.launching)))
+                self._drop_engine(state, eid, handle)
+            elif self.joining:
+                eid = max(self.joining)
+                self._drop_engine(state, eid, self.joining.pop(eid))
+            elif self.joined:  # a member already, waiting for its first sync to land: drain it like the others
+                self._drain(self.joined.pop(), "scaled down before it took groups")
             else:
                 eid = max(self.serving)
                 self.serving.remove(eid)
-                self.draining.add(eid)
-                pool.handle(eid).set_draining.remote(True, f"scaled down to {target}: finishing its groups")
-                if eid in self._routed:  # sessions on it finish there; new ones go elsewhere
-                    self._runners_call("set_engine_health", [(eid, "draining")], wait=False)
-                log.info("engine %d draining (scale to %d engines)", eid, target)
+                self._drain(eid, f"scaled down to {target}: finishing its groups")
             active -= 1
+
+    def _drain(self, eid: int, reason: str) -> None:
+        """No new groups (or agent sessions) for ``eid``; it leaves at a sync once nothing uses it."""
+        self.draining.add(eid)
+        self.job.rollout.handle(eid).set_draining.remote(True, reason)
+        if eid in self._routed:  # sessions on it finish there; new ones go elsewhere
+            self._runners_call("set_engine_health", [(eid, "draining")], wait=False)
+        log.info("engine %d draining: %s", eid, reason)
+
+    def _drop_engine(self, state, eid: int, handle) -> None:
+        """Retire an engine that never became a member of the transport group (in the background)."""
+        state.remove_engine(eid)
+        self.job.rollout.retire(eid, handle, background=True)
 
     def _launched(self, ref, state) -> None:
         """An engine launched by a scale-up is up on dummy weights (or failed to start)."""
@@ -597,8 +600,7 @@ class Pipeline:
     def _launch_failed(self, state, eid: int, handle, why: str) -> None:
         log.error("engine %d could not start (%s): the rollout pool stays at %d engines", eid, why,
                   self._active_engines())
-        self.job.rollout.retire(eid, handle, background=True)
-        state.remove_engine(eid)
+        self._drop_engine(state, eid, handle)
         self.fate["engine_start_failures"] += 1
         state.set_scale_target(self._active_engines(), f"engine {eid} failed to start: {why}")
 

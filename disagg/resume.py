@@ -29,6 +29,11 @@ CHECKPOINTS = "checkpoints"
 _STEP = re.compile(r"step_(\d+)")
 
 
+def checkpoint_path(run_dir: Path, step: int) -> Path:
+    """Where the checkpoint of ``step`` lives (``Job.save_checkpoint`` writes it as ``.partial`` first)."""
+    return run_dir / CHECKPOINTS / f"step_{step:06d}"
+
+
 def checkpoint_step(path: Path) -> int | None:
     """N of a complete checkpoint directory ``step_<N>``; None for anything else (``.partial`` included)."""
     m = _STEP.fullmatch(path.name)

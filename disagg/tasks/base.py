@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import random
 import time
 import traceback
 from collections import Counter
@@ -86,6 +87,19 @@ class PromptSource(Protocol):
 
     @property
     def num_skipped(self) -> int: ...
+
+
+def rows_from_cursor(source: PromptSource) -> Iterator[PromptRow]:
+    """``source.row_at`` from ``source.cursor`` on; the cursor moves before each row is yielded, so it is
+    always the next row never drawn (what a checkpoint saves)."""
+    while True:
+        source.cursor += 1
+        yield source.row_at(source.cursor - 1)
+
+
+def row_rng(seed: int, index: int) -> random.Random:
+    """The generator of row ``index`` of a seeded synthetic task: the same row whenever it is asked for."""
+    return random.Random(seed * 1_000_003 + index)
 
 
 def safe_reward(fn: RewardFn, text: str, row: dict[str, Any], counts: Counter, logged: set[str],

@@ -23,7 +23,7 @@ import random
 import re
 from typing import Any, Iterator
 
-from disagg.tasks.base import PromptRow, register_reward
+from disagg.tasks.base import PromptRow, register_reward, row_rng, rows_from_cursor
 
 TOOLS = ["calculator"]
 
@@ -68,13 +68,11 @@ class CalculatorSource:
         return 0
 
     def row_at(self, index: int) -> PromptRow:
-        row = make_row(random.Random(self.seed * 1_000_003 + index), self.num_digits)
+        row = make_row(row_rng(self.seed, index), self.num_digits)
         return PromptRow(index, row["messages"][0]["content"], row)
 
     def __iter__(self) -> Iterator[PromptRow]:
-        while True:
-            self.cursor += 1
-            yield self.row_at(self.cursor - 1)
+        return rows_from_cursor(self)
 
     def sft_sequences(self, n: int, seed: int, fmt, tools: list[dict]) -> list[tuple[list[int], list[int]]]:
         """(token ids, loss mask) of ``n`` worked trajectories: call the calculator, answer with its result."""

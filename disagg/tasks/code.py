@@ -15,7 +15,7 @@ import threading
 from collections import Counter
 from typing import Any, Callable
 
-from disagg.tasks.base import register_reward
+from disagg.tasks.base import register_reward, row_rng, rows_from_cursor
 from disagg.tasks.sandbox import run_python
 
 # A fenced block tagged python/py/python3 or untagged; an unclosed fence (the
@@ -110,11 +110,9 @@ class CodeTaskSource:
     def row_at(self, index: int):
         from disagg.tasks.base import PromptRow
 
-        rng = random.Random(self.seed * 1_000_003 + index)
+        rng = row_rng(self.seed, index)
         prompt, asserts = rng.choice(_TEMPLATES)(rng)
         return PromptRow(index, prompt, {"prompt": prompt, "tests": "\n".join(asserts) + "\n"})
 
     def __iter__(self):
-        while True:
-            self.cursor += 1
-            yield self.row_at(self.cursor - 1)
+        return rows_from_cursor(self)

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from disagg.errors import ConfigError
-from disagg.tasks.base import PromptRow
+from disagg.tasks.base import PromptRow, rows_from_cursor
 
 log = logging.getLogger("disagg.data")
 
@@ -96,6 +96,4 @@ class FilePromptSource:
         return PromptRow(index, rec[self.prompt_key], rec)
 
     def __iter__(self) -> Iterator[PromptRow]:
-        while True:
-            self.cursor += 1
-            yield self.row_at(self.cursor - 1)
+        return rows_from_cursor(self)

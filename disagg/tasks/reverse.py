@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 from typing import Any, Iterator
 
-from disagg.tasks.base import PromptRow, register_reward
+from disagg.tasks.base import PromptRow, register_reward, row_rng, rows_from_cursor
 
 
 def make_row(rng: random.Random, num_digits: int) -> dict[str, Any]:
@@ -41,13 +41,11 @@ class ReverseDigitsSource:
         return 0
 
     def row_at(self, index: int) -> PromptRow:
-        row = make_row(random.Random(self.seed * 1_000_003 + index), self.num_digits)
+        row = make_row(row_rng(self.seed, index), self.num_digits)
         return PromptRow(index, row["prompt"], row)
 
     def __iter__(self) -> Iterator[PromptRow]:
-        while True:
-            self.cursor += 1
-            yield self.row_at(self.cursor - 1)
+        return rows_from_cursor(self)
 
     def sft_examples(self, n: int, seed: int) -> list[tuple[str, str]]:
         """(prompt, completion) pairs for the warm start, disjoint seed space."""
