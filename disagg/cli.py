@@ -18,6 +18,7 @@ commands:
   ctl <subcommand> ...    talk to a running job's coordinator (disagg ctl status --address HOST:PORT)
   bench transport [flags] weight-sync benchmark against raw, per-parameter and object-store baselines
   bench pipeline [flags]  stream vs batch, reward overlap, async vs sync (CPU, vLLM)
+  bench soak [flags]      30 min of training with a pause/resume and an engine kill: RSS, nothing lost
 """
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"

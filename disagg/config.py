@@ -116,6 +116,13 @@ class RolloutConfig:
     """Time for an engine to start before it is declared dead."""
     weights_wait_timeout_s: float = 600.0
     """How long a request waits for the first weights before failing."""
+    health_interval_s: float = 5.0
+    """How often the driver asks every engine whether it is alive (vLLM's own health check)."""
+    health_timeout_s: float = 60.0
+    """An engine that does not answer a health check within this is declared dead (stuck): it is
+    killed, its prompt groups go back to the queue and a replacement starts."""
+    replace_dead_engines: bool = True
+    """Start a replacement for every engine that died (false: the pool shrinks)."""
     wait_log_interval_s: float = 10.0
     """Period of progress logs for long waits."""
     vllm_log_level: str = "ERROR"
@@ -158,6 +165,9 @@ class TransportConfig:
     """Bucket buffers per side: packing/loading of one bucket overlaps the wire of the next."""
     verify: bool = False
     """Per-bucket checksums; a mismatch rejects the version (staged, costs one copy of the weights)."""
+    max_sync_retries: int = 3
+    """A weight sync that fails (a dead receiver, a transport timeout) is retried on a rebuilt group
+    this many times in a row before the run ends."""
 
 
 @dataclass(frozen=True)
@@ -454,6 +464,8 @@ def validate(cfg: Config, mode: str = "train") -> Config:
         ("cluster.placement_timeout_s", cfg.cluster.placement_timeout_s),
         ("cluster.actor_timeout_s", cfg.cluster.actor_timeout_s),
         ("rollout.start_timeout_s", r.start_timeout_s),
+        ("rollout.health_interval_s", r.health_interval_s),
+        ("rollout.health_timeout_s", r.health_timeout_s),
     ]:
         _check(v > 0, f"{key}={v}: must be > 0")
     if mode == "train":
@@ -462,6 +474,7 @@ def validate(cfg: Config, mode: str = "train") -> Config:
         _check(r.temperature >= 0, f"rollout.temperature={r.temperature}: must be >= 0 (0 = greedy)")
     _check(a.group_size >= 2, f"algorithm.group_size={a.group_size}: GRPO needs >= 2 samples per prompt")
     _check(a.max_staleness >= 0, f"algorithm.max_staleness={a.max_staleness}: must be >= 0")
+    _check(tr.max_sync_retries >= 0, f"transport.max_sync_retries={tr.max_sync_retries}: must be >= 0")
     _check(0 < a.clip_eps < 1, f"algorithm.clip_eps={a.clip_eps}: must be in (0, 1)")
     _check(a.kl_coef >= 0, f"algorithm.kl_coef={a.kl_coef}: must be >= 0")
     _check(0 < r.top_p <= 1, f"rollout.top_p={r.top_p}: must be in (0, 1]")

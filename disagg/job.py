@@ -43,6 +43,13 @@ class PendingSync:
     t0: float
     refs: list  # trainer ranks' pushes, then every engine's receive
     num_trainer_refs: int = 0
+    engine_ids: tuple[int, ...] = ()  # the receiving engines, in the order of their refs
+    pushed: bool | None = None  # the trainer's side finished without error (None: not known yet)
+
+    @property
+    def engine_refs(self) -> dict[int, object]:
+        """Engine id -> its receive's ref."""
+        return dict(zip(self.engine_ids, self.refs[self.num_trainer_refs:]))
 
     @property
     def trainer_refs(self) -> list:
@@ -166,25 +173,28 @@ class Job:
         self.trainer.announce(self.control_client(), policy_version, trainer_step)
         self.coordinator.state.set_trainer_step(trainer_step)
         pushes = self.trainer.push_weights_async(policy_version)
-        return PendingSync(policy_version, t0, pushes + self.rollout.receive_weights_async(policy_version), len(pushes))
+        return PendingSync(policy_version, t0, pushes + self.rollout.receive_weights_async(policy_version), len(pushes),
+                           tuple(self.rollout.engine_ids))
 
     def finish_sync(self, pending: "PendingSync") -> SyncStats:
         """Wait for every party of a started sync; one TransportError naming each failed party."""
-        policy_version, t0, refs = pending.policy_version, pending.t0, pending.refs
+        policy_version, refs = pending.policy_version, pending.refs
         names = [f"trainer rank {w}" for w in range(len(self.trainer.workers))]
-        names += [f"engine {e}" for e in self.rollout.engine_ids]
+        names += [f"engine {e}" for e in pending.engine_ids]
         try:
             outs = ray_get_logged(refs, what=f"weight sync v{policy_version}", timeout_s=self.cfg.transport.timeout_s + 30,
                                   log=log)
         except Exception as e:  # noqa: BLE001 - re-raised as one TransportError naming every failed party
             raise TransportError(f"weight sync of version {policy_version} failed: "
                                  f"{self._sync_failures(refs, names, e)}") from e
-        seconds = time.perf_counter() - t0
-        sent = outs[: len(self.trainer.workers)]
         committed = self.coordinator.state.committed_version()
         if committed != policy_version:
             raise TransportError(f"after sync of version {policy_version} the committed version is {committed}")
-        return SyncStats(policy_version, sum(int(o["bytes"]) for o in sent), seconds,
+        return self.sync_stats(pending, outs[: len(self.trainer.workers)])
+
+    def sync_stats(self, pending: "PendingSync", sent: list[dict]) -> SyncStats:
+        """A finished sync's figures from what the trainer ranks' pushes returned."""
+        return SyncStats(pending.policy_version, sum(int(o["bytes"]) for o in sent), time.perf_counter() - pending.t0,
                          max(float(o.get("send_s", 0.0)) for o in sent), sum(int(o["num_buckets"]) for o in sent))
 
     def _sync_failures(self, refs: list, names: list[str], first: Exception) -> str:

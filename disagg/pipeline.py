@@ -24,6 +24,7 @@ drives the Ray actors with it.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
@@ -243,6 +244,22 @@ class Pipeline:
         self.trained_by_engine: Counter = Counter()  # trained groups per engine id
         self.first_trained_version: dict[int, int] = {}  # engine id -> oldest token version of its first trained group
         self.join_version: dict[int, int] = {}  # engine id -> the version whose sync it joined at (scale-up)
+        # Engine death: a dead or stuck engine (no answer to a health check within
+        # rollout.health_timeout_s) is killed at once, its prompt groups go back to the queue, a
+        # replacement starts, and it leaves the transport group at the next rebuild.
+        self.dead: dict[int, str] = {}  # engine id -> why (still a transport member until the rebuild)
+        self.died: set[int] = set()  # every engine declared dead
+        self._requeue: deque[int] = deque()  # gids of groups to generate again (their engine died)
+        self._retries: Counter = Counter()  # gid -> agent groups run again after an unreachable engine
+        self._pings: dict[int, tuple[Any, float]] = {}  # engine id -> (health check ref, sent at)
+        self._last_ping: dict[int, float] = {}
+        self._rebuild = False  # a sync failed: the next one rebuilds the transport group first
+        self._failed_syncs = 0  # in a row
+        self._more_steps = True
+        self._gen: dict[Any, int] = {}
+        self._load: dict[int, int] = {}
+        self.dummy_served = 0  # groups with a token generated on dummy weights (version 0): must stay 0
+        self.beyond_staleness = 0  # trained samples older than the limit allowed: must stay 0
 
     # ---- actors ------------------------------------------------------------------------
     def _start_rewards(self) -> None:
@@ -310,6 +327,7 @@ class Pipeline:
         pool = self.job.rollout
         self.serving = list(pool.engine_ids)
         load = {eid: 0 for eid in pool.engine_ids}  # groups in flight per engine
+        self._gen, self._load = gen, load
         t_last = time.perf_counter()
         t_idle_from: float | None = time.perf_counter()  # trainer free (step done, weights pushed) since
         idle_s = 0.0
@@ -329,18 +347,30 @@ class Pipeline:
                     self.stopped = reason
                     last_step = step + (1 if train_refs is not None else 0)
                     log.warning("stop requested (%s): ending after step %d", reason, last_step)
-                self._apply_scale(state, step + (1 if train_refs is not None else 0) < last_step)
+                self._more_steps = step + (1 if train_refs is not None else 0) < last_step
+                self._apply_scale(state, self._more_steps)
+                self._check_health(state)
                 paused = state.rollout_paused()
                 next_train = version + (1 if train_refs is not None else 0)
-                admitted = 0 if paused else self.sched.admit(engine_version, next_train, limit)
-                if step + (1 if train_refs is not None else 0) < last_step:
+                admitted = 0 if paused or not self.serving else self.sched.admit(engine_version, next_train, limit)
+                if self._more_steps and not paused and self.serving:
+                    while self._requeue:  # admitted already: their engine died
+                        ref, gid = self._submit(load, engine_version, self._requeue.popleft())
+                        gen[ref] = gid
                     for _ in range(admitted):
                         ref, gid = self._submit(load, engine_version)
                         gen[ref] = gid
-                # The trainer is free once its step is done and its weights are pushed (the engines
-                # may still be loading them); one finished step may wait for its sync.
-                trainer_free = (train_refs is None and queued is None and (pending_sync is None or all(
-                    r in seen_done or _is_done(r) for r in pending_sync.trainer_refs)))
+                # The trainer is free once its step is done and its weights are pushed without error
+                # (the engines may still be loading them); one finished step may wait for its sync.
+                trainer_free = (train_refs is None and queued is None
+                                and (pending_sync is None or self._pushed(pending_sync)))
+                if (pending_sync is None and trainer_free and self.joining and not self.serving
+                        and not self.joined):
+                    # Every engine died: the replacements join now, with the trainer's weights.
+                    log.warning("no engine serves: engines %s join with version %d now", sorted(self.joining),
+                                version)
+                    pending_sync, sync_record = self._start_sync(version, step, load, engine_tokens), None
+                    trainer_free = False
                 if trainer_free and t_idle_from is None:
                     t_idle_from = time.perf_counter()
                 ckpt_wanted = self.checkpoint is not None and self.stopped is None and state.checkpoint_wanted()
@@ -367,6 +397,9 @@ class Pipeline:
                     time.sleep(0.2)
                     t_event = time.perf_counter()
                     continue
+                if not waitables and not self._active_engines():
+                    raise RolloutError(f"every rollout engine died ({sorted(self.died)}) and none is being replaced "
+                                       f"(rollout.replace_dead_engines={self.cfg.rollout.replace_dead_engines})")
                 if not waitables:  # admission always lets an idle, synced pipeline submit: a bug if reached
                     raise RolloutError(f"pipeline stalled with nothing running: {len(self.sched.ready)} groups ready "
                                        f"of {self.sched.batch_groups}, staleness limit {limit}, trainer version "
@@ -400,10 +433,24 @@ class Pipeline:
                             engine_tokens.setdefault(group.engine, 0)
                         try:
                             group.result = ray.get(ref)[0]
-                        except ray.exceptions.RayActorError as e:
-                            who = f"engine {group.engine}" if group.engine >= 0 else "agent runner"
-                            raise RolloutError(f"{who} died while generating group {gid}: "
-                                               f"{str(e).splitlines()[0][:300]}") from e
+                        except Exception as e:
+                            if group.engine < 0:
+                                if isinstance(e, ray.exceptions.RayActorError):
+                                    raise RolloutError(f"agent runner died while generating group {gid}: "
+                                                       f"{_brief(e)}") from e
+                                raise
+                            why = self._failure(group.engine, e)
+                            if why is None:  # the engine is healthy: a real error
+                                raise
+                            self._engine_died(state, group.engine, f"{why} (while generating group {gid})", gid)
+                            continue
+                        if group.result.dropped == "engine_unreachable" and self._retries[gid] < 3:
+                            self._retries[gid] += 1  # an agent session's engine died: run the group again
+                            self._requeue.append(gid)
+                            self.fate["groups_requeued"] += 1
+                            continue
+                        if any(v < 1 for c in group.result.completions for v in c.token_versions):
+                            self.dummy_served += 1
                         n_tok = sum(len(c.response_ids) for c in group.result.completions)
                         gen_tokens += n_tok
                         if group.engine >= 0:
@@ -438,8 +485,12 @@ class Pipeline:
                     else:
                         queued = record
                 if pending_sync is not None and all(r in ready or _is_done(r) for r in pending_sync.refs):
-                    sync = self.job.finish_sync(pending_sync)
+                    sync = self._finish_sync(pending_sync, state)
                     seen_done.difference_update(pending_sync.refs)
+                    if sync is None:  # failed before the trainer's side was through: again, on a rebuilt group
+                        pending_sync = self._start_sync(pending_sync.policy_version,
+                                                        sync_record.step if sync_record else step, load, engine_tokens)
+                        continue
                     pending_sync, done = None, sync_record
                     engine_version = sync.policy_version
                     if self.joined:  # they serve the trainer's weights now: give them groups
@@ -452,6 +503,8 @@ class Pipeline:
                     if queued is not None:  # its weights are the trainer's current ones
                         pending_sync, sync_record, queued = (self._start_sync(version, queued.step, load, engine_tokens),
                                                              queued, None)
+                    if done is None:  # a sync that only brought new engines in
+                        continue
                     now = time.perf_counter()
                     rec = self._record(done, sync, now - t_last, idle_s, gen_tokens, done.limit)
                     rec["rollout/group_seconds_max"] = max(latencies, default=0.0)
@@ -471,7 +524,7 @@ class Pipeline:
                         self.progress.update(done.step, rec)
                     if self.on_step is not None:
                         self.on_step(done.step, rec)
-            self.abandoned_groups = len(gen)
+            self.abandoned_groups = len(gen) + len(self._requeue)
         finally:
             state.set_scale_check(None)
             self.close()
@@ -483,26 +536,33 @@ class Pipeline:
             self.launching, self.joining = {}, {}
         return self.records
 
-    def _submit(self, load: dict[int, int], engine_version: int):
-        """Send the next prompt's group to the serving engine with the fewest groups in flight."""
-        row = next(self.source)
-        gid = self._next_gid
-        self._next_gid += 1
-        sampling = self.sampling_for(row.row) if self.sampling_for else self.sampling
+    def _submit(self, load: dict[int, int], engine_version: int, again: int | None = None):
+        """Send the next prompt's group (or group ``again``, whose engine died) to the serving engine
+        with the fewest groups in flight."""
+        if again is None:
+            row = next(self.source)
+            gid = self._next_gid
+            self._next_gid += 1
+            rowd, prompt_text = row.row, row.prompt
+            if self.agent and "messages" not in rowd:
+                raise ValueError(f"agent task row {row.index} has no 'messages' (keys: {sorted(rowd)})")
+        else:
+            gid, old = again, self.sched.inflight[again]
+            rowd, prompt_text = old.row, None
+        sampling = self.sampling_for(rowd) if self.sampling_for else self.sampling
         if self.agent:
-            if "messages" not in row.row:
-                raise ValueError(f"agent task row {row.index} has no 'messages' (keys: {sorted(row.row)})")
-            self.sched.submitted(Group(gid, row.row, (), -1, engine_version, time.perf_counter()))
+            self.sched.submitted(Group(gid, rowd, (), -1, engine_version, time.perf_counter()))
             runner = self.runners[gid % len(self.runners)]
-            return runner.run_group.remote(gid, row.row["messages"], sampling), gid
+            return runner.run_group.remote(gid, rowd["messages"], sampling), gid
         serving = self.serving
         k = min(range(len(serving)), key=lambda i: (load[serving[i]], (i - self._rr) % len(serving)))
         e = serving[k]
         self._rr += 1
         load[e] += 1
-        prompt = self.encode(row.prompt)
-        self.sched.submitted(Group(gid, row.row, prompt, e, engine_version, time.perf_counter()))
-        return self.job.rollout.handle(e).generate.remote([GenRequest(f"g{gid}", prompt, sampling)]), gid
+        prompt = self.encode(prompt_text) if again is None else self.sched.inflight[gid].prompt_ids
+        self.sched.submitted(Group(gid, rowd, prompt, e, engine_version, time.perf_counter()))
+        rid = f"g{gid}" if again is None else f"g{gid}-again{self._rr}"
+        return self.job.rollout.handle(e).generate.remote([GenRequest(rid, prompt, sampling)]), gid
 
     # ---- the elastic rollout pool ------------------------------------------------------------
     def _active_engines(self) -> int:
@@ -604,6 +664,179 @@ class Pipeline:
         self.fate["engine_start_failures"] += 1
         state.set_scale_target(self._active_engines(), f"engine {eid} failed to start: {why}")
 
+    # ---- engine death ---------------------------------------------------------------------
+    def _check_health(self, state) -> None:
+        """Ask every member and joining engine whether it is alive (every rollout.health_interval_s);
+        one that fails the check, or leaves it unanswered for rollout.health_timeout_s, is dead.
+        Engines answer while they generate and while they load weights."""
+        import ray
+
+        roll, pool, now = self.cfg.rollout, self.job.rollout, time.perf_counter()
+        watched = {eid: h for eid, h in zip(pool.engine_ids, pool.engines) if eid not in self.dead}
+        watched.update(self.joining)
+        for eid, handle in watched.items():
+            if eid not in self._pings and now - self._last_ping.get(eid, -1e9) >= roll.health_interval_s:
+                self._pings[eid] = (handle.ping.remote(), now)
+                self._last_ping[eid] = now
+        for eid, (ref, t0) in list(self._pings.items()):
+            if eid not in watched:
+                del self._pings[eid]
+            elif _is_done(ref):
+                del self._pings[eid]
+                try:
+                    ray.get(ref)
+                except Exception as e:  # noqa: BLE001 - the engine is declared dead with the reason
+                    self._engine_died(state, eid, f"health check failed: {_brief(e)}")
+            elif now - t0 > roll.health_timeout_s:
+                del self._pings[eid]
+                self._engine_died(state, eid, f"stuck: no answer to a health check for {roll.health_timeout_s:g} s "
+                                  "(rollout.health_timeout_s)")
+
+    def _failure(self, eid: int, error: BaseException) -> str | None:
+        """Why a call to engine ``eid`` failed if the engine is dead, or None if it is healthy."""
+        import ray
+
+        if isinstance(error, ray.exceptions.RayActorError):
+            return f"the actor died: {_brief(error)}"
+        try:
+            ray.get(self.job.rollout.handle(eid).ping.remote(), timeout=self.cfg.rollout.health_timeout_s)
+        except Exception as e:  # noqa: BLE001 - dead: both reasons go into the report
+            return f"{_brief(error)}; health check: {_brief(e)}"
+        return None
+
+    def _engine_died(self, state, eid: int, why: str, gid: int | None = None) -> None:
+        """Take a dead engine out: kill it, requeue its groups (and ``gid``), start a replacement."""
+        if eid in self.died:
+            if gid is not None:
+                self._requeue.append(gid)
+                self.fate["groups_requeued"] += 1
+            return
+        self.died.add(eid)
+        pool = self.job.rollout
+        member = eid in pool.engine_ids
+        handle = pool.handle(eid) if member else self.joining.pop(eid, None)
+        again = []
+        for ref, g in list(self._gen.items()):  # the run loop's dict: changed in place
+            if self.sched.inflight[g].engine == eid:
+                del self._gen[ref]
+                again.append(g)
+        again += [gid] if gid is not None else []
+        self._requeue.extend(again)
+        for name in ("serving", "joined"):
+            if eid in getattr(self, name):
+                getattr(self, name).remove(eid)
+        self.draining.discard(eid)
+        self._load.pop(eid, None)
+        self._pings.pop(eid, None)
+        if handle is not None:
+            pool.discard(eid, handle)
+        if member:
+            self.dead[eid] = why
+        self.fate["engine_deaths"] += 1
+        self.fate["groups_requeued"] += len(again)
+        state.engine_died(eid, f"{why}; {len(again)} prompt group(s) back in the queue")
+        if eid in self._routed:
+            self._runners_call("set_engine_health", [(eid, "dead")], wait=False)
+        if self.cfg.rollout.replace_dead_engines and self._more_steps:
+            new, h, ref = pool.launch()
+            self.launching[ref] = (new, h, time.perf_counter())
+            self.fate["engines_launched"] += 1
+            self.fate["engines_replaced"] += 1
+            state.record_event("engine_replaced", f"engine {new} starts in place of engine {eid}")
+        elif state.scale_target() is not None:
+            state.set_scale_target(self._active_engines(), f"engine {eid} died and is not replaced")
+
+    def _pushed(self, pending) -> bool:
+        """The trainer's side of ``pending`` finished without error (its weights may change again)."""
+        import ray
+
+        if pending.pushed is None and all(_is_done(r) for r in pending.trainer_refs):
+            try:
+                ray.get(pending.trainer_refs, timeout=0)
+                pending.pushed = True
+            except Exception:  # noqa: BLE001 - reported by _finish_sync
+                pending.pushed = False
+        return bool(pending.pushed)
+
+    def _finish_sync(self, pending, state):
+        """``Job.finish_sync``, surviving failed parties; None when the sync must run again.
+
+        A dead receiver is taken out like any dead engine. If the trainer's side failed, the
+        version is sent again on a rebuilt group (the trainer's weights have not changed: it
+        is not free until its push succeeded). If the trainer sent everything, engines whose
+        receive failed anyway hold partial weights: they are killed and replaced, and the
+        version counts as synced to the rest.
+        """
+        import ray
+
+        from disagg.errors import RolloutError, TransportError
+
+        try:
+            sync = self.job.finish_sync(pending)
+            self._failed_syncs = 0
+            return sync
+        except TransportError as e:
+            err = e
+        v = pending.policy_version
+        self._failed_syncs += 1
+        self.fate["sync_failures"] += 1
+        self._rebuild = True
+        state.record_event("sync_failed", f"version {v}: {str(err)[:600]}")
+        pushed = True
+        for rank, ref in enumerate(pending.trainer_refs):
+            try:
+                ray.get(ref, timeout=0)
+            except ray.exceptions.RayActorError as e:
+                raise RolloutError(f"trainer rank {rank} died during the sync of version {v}; continue from the last "
+                                   "checkpoint with `disagg train resume=<run_dir>`") from e
+            except Exception:  # noqa: BLE001 - the sync is sent again
+                pushed = False
+        for eid, ref in pending.engine_refs.items():
+            if eid in self.dead:
+                continue
+            try:
+                ray.get(ref, timeout=0)
+            except ray.exceptions.RayActorError as e:
+                self._engine_died(state, eid, f"died during the sync of version {v}: {_brief(e)}")
+            except Exception as e:  # noqa: BLE001
+                if pushed:
+                    self._engine_died(state, eid, f"its receive of version {v} failed after the trainer sent all of "
+                                      f"it ({_brief(e)}): its weights are incomplete")
+                elif (why := self._failure(eid, e)) is not None:
+                    self._engine_died(state, eid, f"failed during the sync of version {v}: {why}")
+        if self._failed_syncs > self.cfg.transport.max_sync_retries:
+            raise RolloutError(f"the weight sync of version {v} failed {self._failed_syncs} times in a row "
+                               f"(transport.max_sync_retries={self.cfg.transport.max_sync_retries}): {err}") from err
+        if pushed:
+            self._failed_syncs = 0
+            return self.job.sync_stats(pending, ray.get(pending.trainer_refs))
+        self.fate["sync_retries"] += 1
+        state.record_event("sync_retried", f"version {v} is sent again on a rebuilt transport group")
+        return None
+
+    def _change_engines(self, state, members: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
+        """``Job.change_engines``; a member that makes the rendezvous fail and then fails its health
+        check is taken out and the group built again. Returns the members that joined."""
+        from disagg.errors import RolloutError, TransportError
+
+        err: Exception | None = None
+        for _ in range(self.cfg.transport.max_sync_retries + 1):
+            try:
+                self.job.change_engines(members)
+                return members
+            except TransportError as e:
+                err = e
+            state.record_event("rebuild_failed", str(err)[:600])
+            alive = []
+            for eid, handle in members:
+                if (why := self._failure(eid, err)) is None:
+                    alive.append((eid, handle))
+                else:
+                    self._engine_died(state, eid, f"failed to join the transport group: {why}")
+            members = alive
+        raise RolloutError(f"the transport group could not be rebuilt "
+                           f"({self.cfg.transport.max_sync_retries + 1} tries, transport.max_sync_retries): {err}")
+
     def _runners_call(self, method: str, calls: list[tuple], wait: bool = True) -> list:
         """``method(*args)`` on every agent runner for each ``args`` in ``calls``; their results, in order."""
         import ray
@@ -621,17 +854,20 @@ class Pipeline:
                        or sum(self._runners_call("engine_use", [(eid,)])) == 0]
         else:
             leaving = [eid for eid in self.draining if load.get(eid, 0) == 0]
-        if self.joining or leaving:
+        if self.joining or leaving or self.dead or self._rebuild:
             pool = self.job.rollout
             gone = {eid: pool.handle(eid) for eid in leaving}
-            members = [(eid, h) for eid, h in zip(pool.engine_ids, pool.engines) if eid not in gone]
+            members = [(eid, h) for eid, h in zip(pool.engine_ids, pool.engines)
+                       if eid not in gone and eid not in self.dead]
+            dead, self.dead, self._rebuild = sorted(self.dead), {}, False
             members += list(self.joining.items())
             t0 = time.perf_counter()
-            self.job.change_engines(members)
-            routed = [(eid,) for eid in gone if eid in self._routed]
+            joined = {eid for eid, _ in self._change_engines(self.job.coordinator.state, members)}
+            self.joining = {eid: h for eid, h in self.joining.items() if eid in joined}
+            routed = [(eid,) for eid in [*gone, *dead] if eid in self._routed]
             if routed:
                 self._runners_call("remove_engine", routed)
-                self._routed.difference_update(gone)
+                self._routed.difference_update([*gone, *dead])
             for eid, handle in gone.items():
                 self.job.coordinator.state.remove_engine(eid)
                 pool.retire(eid, handle, background=True)
@@ -646,8 +882,8 @@ class Pipeline:
                 self.fate["engines_joined"] += 1
             self.joined += list(self.joining)
             self.joining = {}
-            log.info("rollout pool rebuilt in %.2f s: engines %s (%s joined, %s left)", time.perf_counter() - t0,
-                     pool.engine_ids, self.joined or "none", sorted(gone) or "none")
+            log.info("rollout pool rebuilt in %.2f s: engines %s (%s joined, %s left, %s dead)", time.perf_counter() - t0,
+                     pool.engine_ids, self.joined or "none", sorted(gone) or "none", dead or "none")
         return self.job.start_sync(version, step)
 
     def prompts_lost(self) -> int:
@@ -678,6 +914,7 @@ class Pipeline:
         samples = [s for g in record.groups for s in g.samples]
         rewards = [r for g in record.groups for r in g.rewards]
         stale = [record.version_trained - s.policy_version for s in samples]
+        self.beyond_staleness += sum(1 for x in stale if x > limit)
         tokens = sum(s.num_trained_tokens for s in samples)
         self.fate["trained"] += len(record.groups)
         for g in record.groups:
@@ -709,6 +946,13 @@ class Pipeline:
             "rollout/num_engines": len(self.serving),
             "rollout/engines_joined": self.fate["engines_joined"],
             "rollout/engines_left": self.fate["engines_left"],
+            "rollout/engine_deaths": self.fate["engine_deaths"],
+            "rollout/engines_replaced": self.fate["engines_replaced"],
+            "rollout/groups_requeued": self.fate["groups_requeued"],
+            "rollout/dummy_served": self.dummy_served,
+            "samples/trained_beyond_staleness": self.beyond_staleness,
+            "transport/sync_failures": self.fate["sync_failures"],
+            "transport/sync_retries": self.fate["sync_retries"],
             "rollout/inflight_groups": len(self.sched.inflight),
             "rollout/ready_groups": len(self.sched.ready),
             "rollout/tokens_per_s": gen_tokens / step_s if step_s > 0 else 0.0,
@@ -733,6 +977,12 @@ class Pipeline:
                         "agent/tool_errors": info["tool_errors"], "agent/malformed_tool_calls": info["malformed_tool_calls"],
                         **{f"agent/{k}_frac": v / n for k, v in info.items() if k.startswith("finish_")}})
         return rec
+
+
+def _brief(e: BaseException) -> str:
+    """The first line of an error, for logs and events (Ray's own errors run to pages, in colour)."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(e)).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0][:300] if text else ''}"
 
 
 def _is_done(ref) -> bool:

@@ -67,6 +67,9 @@ class AgentRunner:
                                                           self.limits, s) for s in sessions))
         except Exception as e:  # noqa: BLE001 - one group's failure is counted and reported, the run goes on
             kind = type(e).__name__
+            if _engine_unreachable(e):  # the engine died under the session: the driver runs the group again
+                self.counts["engine_unreachable"] += 1
+                return [GenResult(f"g{gid}", -1, prompt, dropped="engine_unreachable", detail=f"{kind}: {e}"[:300])]
             self.counts["dropped_agent_error"] += 1
             if kind not in self._logged:
                 self._logged.add(kind)
@@ -104,3 +107,10 @@ class AgentRunner:
         r = self.llm.router
         return {"requests_per_engine": dict(r.requests), "inflight_per_engine": dict(r.inflight),
                 "moved_sessions": r.moved_sessions, **self.counts, **{f"tool_{k}": v for k, v in self.tools.counts.items()}}
+
+
+def _engine_unreachable(e: BaseException) -> bool:
+    """The OpenAI client could not reach its engine, or the engine's model process is dead."""
+    import openai
+
+    return isinstance(e, (openai.APIConnectionError, openai.InternalServerError))

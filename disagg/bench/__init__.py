@@ -4,6 +4,8 @@
 parameter and Ray's object store (``disagg/bench/transport.py``).
 ``pipeline``: stream vs batch scheduling on a long tail, rewards overlapped with
 generation vs after it, asynchronous vs synchronous training (``disagg/bench/pipeline.py``).
+``soak``: a long ``disagg train`` with a pause/resume and an engine kill, RSS over
+time and the fault counts (``disagg/bench/soak.py``; not in CI).
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ from __future__ import annotations
 import sys
 
 BENCHMARKS = {"transport": "weight sync vs raw broadcast, per-parameter broadcast and Ray's object store",
-              "pipeline": "stream vs batch on a long tail, reward overlap, async vs sync (CPU, vLLM)"}
+              "pipeline": "stream vs batch on a long tail, reward overlap, async vs sync (CPU, vLLM)",
+              "soak": "a long `disagg train` with a pause/resume and an engine kill: RSS over time, nothing lost"}
 
 
 def main(argv: list[str]) -> int:
@@ -21,6 +24,10 @@ def main(argv: list[str]) -> int:
         print(f"usage: disagg bench <name> [flags]   (disagg bench <name> --help)\n\nbenchmarks:\n{lines}",
               file=sys.stdout if argv and argv[0] in ("-h", "--help") else sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
+    if argv[0] == "soak":
+        from disagg.bench.soak import main as soak_main
+
+        return soak_main(argv[1:])
     if argv[0] == "pipeline":
         from disagg.bench.pipeline import main as pipeline_main
 

@@ -10,7 +10,7 @@ field mapping: validation belongs to the coordinator's state.
 from __future__ import annotations
 
 from disagg.transport.manifest import BucketEntry, BucketPlan, Manifest, TensorSpec
-from disagg.control.types import RUN_FIELDS, ClusterStatus, EngineInfo, EngineState, EngineStatus, PoolStatus
+from disagg.control.types import RUN_FIELDS, ClusterStatus, EngineInfo, EngineState, EngineStatus, Event, PoolStatus
 
 
 
@@ -170,6 +170,7 @@ def status_to_proto(s: ClusterStatus) -> pb.Status:
         run_dir=s.run_dir,
         started_unix_s=s.started_unix_s,
         **{k: getattr(s, k) for k in RUN_FIELDS},
+        events=[pb.Event(unix_s=e.unix_s, kind=e.kind, message=e.message) for e in s.events],
     )
 
 
@@ -184,4 +185,5 @@ def status_from_proto(p: pb.Status) -> ClusterStatus:
         run_dir=p.run_dir,
         started_unix_s=p.started_unix_s,
         **{k: getattr(p, k) for k in RUN_FIELDS},
+        events=tuple(Event(e.unix_s, e.kind, e.message) for e in p.events),
     )

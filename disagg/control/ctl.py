@@ -19,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+from rich.markup import escape
 from rich.console import Console
 from rich.table import Table
 
@@ -217,9 +218,17 @@ def render_status(status: ClusterStatus, console: Console) -> None:
             e.node_ip,
             e.address or "-",
             _age(now - e.last_update_unix_s) + " ago",
-            e.message,
+            escape(e.message),  # errors quote "[file:line]": not rich markup
         )
     console.print(engines)
+    if status.events:
+        events = Table(title="events (latest last)", title_justify="left")
+        events.add_column("when", no_wrap=True)
+        events.add_column("kind", no_wrap=True)
+        events.add_column("what", overflow="fold")
+        for ev in status.events[-10:]:
+            events.add_row(_age(now - ev.unix_s) + " ago", ev.kind, escape(ev.message))
+        console.print(events)
 
 
 def _age(seconds: float) -> str:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
@@ -24,7 +24,7 @@ import grpc
 from disagg.control import convert
 from disagg.control.auth import TokenAuthInterceptor, server_credentials
 from disagg.control.convert import pb, pb_grpc
-from disagg.control.types import POOL_NAMES, ClusterStatus, EngineInfo, EngineState, EngineStatus, PoolStatus
+from disagg.control.types import POOL_NAMES, ClusterStatus, EngineInfo, EngineState, EngineStatus, Event, PoolStatus
 from disagg.errors import ControlError
 from disagg.transport.manifest import Manifest, layout_mismatch
 
@@ -81,6 +81,8 @@ class CoordinatorState:
         self._last_checkpoint: tuple[int, int, str] | None = None  # (step, version, path)
         self._checkpoint_seq = 0
         self._checkpoint_scheduled = False  # a periodic checkpoint is due (nobody waits for it)
+        self._events: deque[Event] = deque(maxlen=100)  # engine deaths, replacements, sync retries
+        self._dead_kept = 8  # dead engines stay in the status (state DEAD, why in the message) up to this many
         self._metrics: list[tuple[int, dict[str, float]]] = []
         self._metrics_kept = 10_000
         self._changed = threading.Condition(self._lock)  # metrics, checkpoints, phase
@@ -346,6 +348,28 @@ class CoordinatorState:
         if gone is not None:
             logger.info("[coordinator] engine %d left the pool", engine_id)
 
+    def record_event(self, kind: str, message: str) -> None:
+        """Something the operator should see in ``disagg ctl status`` (the last 100 are kept)."""
+        with self._lock:
+            self._events.append(Event(time.time(), kind, message))
+        logger.warning("[event] %s: %s", kind, message)
+
+    def engine_died(self, engine_id: int, why: str) -> None:
+        """An engine is gone (dead or stuck and killed): DEAD in the status, out of the commit."""
+        with self._lock:
+            old = self._engines.get(engine_id)
+            if old is not None:
+                self._engines[engine_id] = replace(old, state=EngineState.DEAD, message=why[:500],
+                                                   last_update_unix_s=time.time())
+            self._expected.pop(engine_id, None)
+            self._engine_load.pop(engine_id, None)
+            if self._members is not None:
+                self._members.discard(engine_id)
+            dead = [i for i, e in self._engines.items() if e.state is EngineState.DEAD]
+            for i in dead[: max(0, len(dead) - self._dead_kept)]:
+                del self._engines[i]
+        self.record_event("engine_dead", f"engine {engine_id}: {why}")
+
     def request_stop(self, reason: str = "") -> str:
         with self._lock:
             self._check_running("stop")
@@ -420,6 +444,7 @@ class CoordinatorState:
                 phase=self._phase_locked(),
                 total_steps=self._run["total_steps"],
                 target_engines=self._run["target_engines"],
+                events=tuple(self._events),
             )
 
     def _committed_locked(self) -> int:

@@ -70,6 +70,15 @@ class EngineStatus:
     tokens_per_s: float = 0.0  # generated tokens per second over the last step
 
 
+@dataclass(frozen=True)
+class Event:
+    """Something that happened to the job (an engine died, a sync was retried, ...)."""
+
+    unix_s: float
+    kind: str
+    message: str
+
+
 # ClusterStatus's driver-side run fields (defaults when a coordinator has no run); same names in the proto.
 RUN_FIELDS = ("trainer_version", "buffer_groups", "inflight_groups", "rollout_paused", "phase", "total_steps",
               "target_engines")
@@ -94,6 +103,7 @@ class ClusterStatus:
     phase: str = ""  # starting | running | paused | stopping | stopped
     total_steps: int = 0
     target_engines: int = 0  # the rollout pool's size once scaling settles (0: no run)
+    events: tuple[Event, ...] = ()  # the latest events, oldest first
 
     def engine(self, engine_id: int) -> EngineStatus:
         for e in self.engines:
@@ -120,4 +130,5 @@ class ClusterStatus:
             run_dir=d["run_dir"],
             started_unix_s=float(d["started_unix_s"]),
             **{k: d[k] for k in RUN_FIELDS if k in d},
+            events=tuple(Event(**e) for e in d.get("events", ())),
         )

@@ -230,6 +230,18 @@ class EngineActor:
         return SyncReport(self.engine_id, policy_version, int(stats.get("bytes", 0)), int(stats.get("num_buckets", 0)),
                           int(stats.get("num_tensors", 0)), recv_s, time.perf_counter() - t0)
 
+    async def ping(self) -> dict[str, Any]:
+        """The driver's health check: vLLM's own (raises once its engine core died) and what it serves."""
+        if self._engine is None:
+            raise EngineDeadError(f"engine {self.engine_id} is not running")
+        await self._engine.check_health()
+        return {"policy_version": self.version, "tokens_generated": self.stats["tokens_generated"]}
+
+    async def arm_fault(self, point: str, action: str = "exit", after: int = 1) -> None:
+        """Fault-injection tests: make this engine's model worker fail for real at ``point``
+        (``disagg.faults``; armed in the worker's process, wherever vLLM runs it)."""
+        await self._engine.collective_rpc("disagg_arm_fault", args=(point, action, after))
+
     async def get_version(self) -> dict[str, Any]:
         served = await self._engine.get_weight_version() if self._engine is not None else None
         return {"policy_version": self.version, "vllm_weight_version": served, "loaded": self._weights_loaded.is_set()}

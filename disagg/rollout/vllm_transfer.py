@@ -105,6 +105,16 @@ class DisaggWeightTransferEngine(WeightTransferEngine[DisaggInitInfo, DisaggUpda
         except ChecksumError as e:
             self.last_stats["rejected"] = str(e)
             raise
+        except BaseException:
+            # A broken broadcast leaves vLLM's layerwise reload half done (some layers on the meta
+            # device): finish it, so the model is whole again - part old, part new weights, never
+            # served (the engine's gate stays closed) - and the next sync can reload it.
+            if self._reloading:
+                try:
+                    self.finish_weight_update()
+                except Exception as e:  # noqa: BLE001 - the receive's own error is the one raised
+                    log.error("[rollout] could not finish the interrupted weight reload: %s", e)
+            raise
         self.last_stats.update(bytes=stats.bytes, seconds=stats.seconds, num_buckets=stats.num_buckets,
                                num_tensors=stats.num_tensors)
 
@@ -130,6 +140,11 @@ class DisaggWeightTransferEngine(WeightTransferEngine[DisaggInitInfo, DisaggUpda
 
 class DisaggWorkerExtension:
     """Methods added to vLLM's worker (``worker_extension_cls``) for disagg's own queries."""
+
+    def disagg_arm_fault(self, point: str, action: str, after: int) -> None:
+        from disagg import faults
+
+        faults.arm(point, action, after)
 
     def disagg_transfer_stats(self) -> dict[str, Any]:
         engine = getattr(self, "weight_transfer_engine", None)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from disagg import faults
 from disagg.errors import ChecksumError, TransportError
 from disagg.transport.buckets import Reassembler, bucket_buffers, bucket_checksum
 from disagg.transport.group import TransportGroup
@@ -108,6 +109,7 @@ def receive_weights(
         for op in ops:
             op.wait(host=verify)  # NCCL: the loads below are stream-ordered after the receive
             finished.append(op)
+        faults.hit("receive_bucket")
         if verify and not torch.equal(bucket_checksum(buf), checksum):
             corrupt.append(plan.index)
         done = reassembler.feed(plan, buf)

@@ -7,7 +7,7 @@ import pytest
 
 from disagg.control import convert
 from disagg.control.convert import pb
-from disagg.control.types import ClusterStatus, EngineInfo, EngineState, EngineStatus, PoolStatus
+from disagg.control.types import ClusterStatus, EngineInfo, EngineState, EngineStatus, Event, PoolStatus
 from disagg.transport.manifest import TensorSpec, plan_buckets
 
 
@@ -79,6 +79,8 @@ def _status() -> ClusterStatus:
         trainer_step=12,
         run_dir="/runs/x",
         started_unix_s=1699999999.0,
+        events=(Event(1700000003.0, "engine_dead", "engine 1: stuck: no answer to a health check for 60 s"),
+                Event(1700000003.25, "engine_replaced", "engine 2 starts in place of engine 1")),
     )
 
 
@@ -91,6 +93,7 @@ def test_status_json_round_trip():
     s = _status()
     d = json.loads(json.dumps(s.to_dict()))
     assert d["engines"][1]["state"] == "DEAD"
+    assert [e["kind"] for e in d["events"]] == ["engine_dead", "engine_replaced"]
     assert ClusterStatus.from_dict(d) == s
     assert s.engine(1).message == "OOM while loading"
     with pytest.raises(KeyError, match="engine 9"):
