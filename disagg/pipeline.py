@@ -876,6 +876,8 @@ class Pipeline:
                 engine_tokens.pop(eid, None)
                 self.fate["engines_left"] += 1
             for eid in self.joining:
+                self.job.coordinator.state.record_event("engine_joined", f"engine {eid} joined the transport group "
+                                                        f"(epoch {self.job.transport_epoch}) with version {version}")
                 self.join_version[eid] = version
                 load[eid] = 0
                 engine_tokens[eid] = 0

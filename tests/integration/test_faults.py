@@ -152,6 +152,7 @@ def test_the_status_shows_the_deaths_and_replacements(faulty_run):
     assert [e.engine_id for e in final.engines if e.state.value == "DEAD"] == [0, 1, 2]
     kinds = [e.kind for e in final.events]
     assert kinds.count("engine_dead") == 3 and kinds.count("engine_replaced") == 3
+    assert kinds.count("engine_joined") == 3
     assert "sync_failed" in kinds and "sync_retried" in kinds
     assert {e.engine_id for e in final.engines if e.state.value != "DEAD"} == {3, 4}
     # While a replacement was starting, the status listed the dead engine with its reason.
