@@ -247,8 +247,7 @@ class Pipeline:
         # Engine death: a dead or stuck engine (no answer to a health check within
         # rollout.health_timeout_s) is killed at once, its prompt groups go back to the queue, a
         # replacement starts, and it leaves the transport group at the next rebuild.
-        self.dead: dict[int, str] = {}  # engine id -> why (still a transport member until the rebuild)
-        self.died: set[int] = set()  # every engine declared dead
+        self.died: set[int] = set()  # every engine declared dead (a member until the next rebuild)
         self._requeue: deque[int] = deque()  # gids of groups to generate again (their engine died)
         self._retries: Counter = Counter()  # gid -> agent groups run again after an unreachable engine
         self._pings: dict[int, tuple[Any, float]] = {}  # engine id -> (health check ref, sent at)
@@ -446,8 +445,7 @@ class Pipeline:
                             continue
                         if group.result.dropped == "engine_unreachable" and self._retries[gid] < 3:
                             self._retries[gid] += 1  # an agent session's engine died: run the group again
-                            self._requeue.append(gid)
-                            self.fate["groups_requeued"] += 1
+                            self._generate_again([gid])
                             continue
                         if any(v < 1 for c in group.result.completions for v in c.token_versions):
                             self.dummy_served += 1
@@ -543,15 +541,15 @@ class Pipeline:
             row = next(self.source)
             gid = self._next_gid
             self._next_gid += 1
-            rowd, prompt_text = row.row, row.prompt
+            rowd = row.row
             if self.agent and "messages" not in rowd:
                 raise ValueError(f"agent task row {row.index} has no 'messages' (keys: {sorted(rowd)})")
+            prompt = () if self.agent else self.encode(row.prompt)
         else:
-            gid, old = again, self.sched.inflight[again]
-            rowd, prompt_text = old.row, None
+            gid, rowd, prompt = again, self.sched.inflight[again].row, self.sched.inflight[again].prompt_ids
         sampling = self.sampling_for(rowd) if self.sampling_for else self.sampling
         if self.agent:
-            self.sched.submitted(Group(gid, rowd, (), -1, engine_version, time.perf_counter()))
+            self.sched.submitted(Group(gid, rowd, prompt, -1, engine_version, time.perf_counter()))
             runner = self.runners[gid % len(self.runners)]
             return runner.run_group.remote(gid, rowd["messages"], sampling), gid
         serving = self.serving
@@ -559,7 +557,6 @@ class Pipeline:
         e = serving[k]
         self._rr += 1
         load[e] += 1
-        prompt = self.encode(prompt_text) if again is None else self.sched.inflight[gid].prompt_ids
         self.sched.submitted(Group(gid, rowd, prompt, e, engine_version, time.perf_counter()))
         rid = f"g{gid}" if again is None else f"g{gid}-again{self._rr}"
         return self.job.rollout.handle(e).generate.remote([GenRequest(rid, prompt, sampling)]), gid
@@ -672,7 +669,7 @@ class Pipeline:
         import ray
 
         roll, pool, now = self.cfg.rollout, self.job.rollout, time.perf_counter()
-        watched = {eid: h for eid, h in zip(pool.engine_ids, pool.engines) if eid not in self.dead}
+        watched = {eid: h for eid, h in zip(pool.engine_ids, pool.engines) if eid not in self.died}
         watched.update(self.joining)
         for eid, handle in watched.items():
             if eid not in self._pings and now - self._last_ping.get(eid, -1e9) >= roll.health_interval_s:
@@ -706,34 +703,28 @@ class Pipeline:
 
     def _engine_died(self, state, eid: int, why: str, gid: int | None = None) -> None:
         """Take a dead engine out: kill it, requeue its groups (and ``gid``), start a replacement."""
+        again = [gid] if gid is not None else []
         if eid in self.died:
-            if gid is not None:
-                self._requeue.append(gid)
-                self.fate["groups_requeued"] += 1
+            self._generate_again(again)
             return
         self.died.add(eid)
         pool = self.job.rollout
-        member = eid in pool.engine_ids
-        handle = pool.handle(eid) if member else self.joining.pop(eid, None)
-        again = []
+        handle = pool.handle(eid) if eid in pool.engine_ids else self.joining.pop(eid, None)
         for ref, g in list(self._gen.items()):  # the run loop's dict: changed in place
             if self.sched.inflight[g].engine == eid:
                 del self._gen[ref]
                 again.append(g)
-        again += [gid] if gid is not None else []
-        self._requeue.extend(again)
-        for name in ("serving", "joined"):
-            if eid in getattr(self, name):
-                getattr(self, name).remove(eid)
+        self._generate_again(again)
+        if eid in self.serving:
+            self.serving.remove(eid)
+        if eid in self.joined:
+            self.joined.remove(eid)
         self.draining.discard(eid)
         self._load.pop(eid, None)
         self._pings.pop(eid, None)
         if handle is not None:
             pool.discard(eid, handle)
-        if member:
-            self.dead[eid] = why
         self.fate["engine_deaths"] += 1
-        self.fate["groups_requeued"] += len(again)
         state.engine_died(eid, f"{why}; {len(again)} prompt group(s) back in the queue")
         if eid in self._routed:
             self._runners_call("set_engine_health", [(eid, "dead")], wait=False)
@@ -745,6 +736,11 @@ class Pipeline:
             state.record_event("engine_replaced", f"engine {new} starts in place of engine {eid}")
         elif state.scale_target() is not None:
             state.set_scale_target(self._active_engines(), f"engine {eid} died and is not replaced")
+
+    def _generate_again(self, gids: list[int]) -> None:
+        """Groups whose engine died: submitted again (before any new prompt), counted."""
+        self._requeue.extend(gids)
+        self.fate["groups_requeued"] += len(gids)
 
     def _pushed(self, pending) -> bool:
         """The trainer's side of ``pending`` finished without error (its weights may change again)."""
@@ -792,7 +788,7 @@ class Pipeline:
             except Exception:  # noqa: BLE001 - the sync is sent again
                 pushed = False
         for eid, ref in pending.engine_refs.items():
-            if eid in self.dead:
+            if eid in self.died:
                 continue
             try:
                 ray.get(ref, timeout=0)
@@ -854,12 +850,13 @@ class Pipeline:
                        or sum(self._runners_call("engine_use", [(eid,)])) == 0]
         else:
             leaving = [eid for eid in self.draining if load.get(eid, 0) == 0]
-        if self.joining or leaving or self.dead or self._rebuild:
-            pool = self.job.rollout
+        pool = self.job.rollout
+        dead = [eid for eid in pool.engine_ids if eid in self.died]  # members until this rebuild
+        if self.joining or leaving or dead or self._rebuild:
             gone = {eid: pool.handle(eid) for eid in leaving}
             members = [(eid, h) for eid, h in zip(pool.engine_ids, pool.engines)
-                       if eid not in gone and eid not in self.dead]
-            dead, self.dead, self._rebuild = sorted(self.dead), {}, False
+                       if eid not in gone and eid not in self.died]
+            self._rebuild = False
             members += list(self.joining.items())
             t0 = time.perf_counter()
             joined = {eid for eid, _ in self._change_engines(self.job.coordinator.state, members)}

@@ -128,38 +128,38 @@ class RolloutPool:
 
     def _retire(self, engine_id: int, handle) -> None:
         import ray
-        from ray.util.placement_group import remove_placement_group
 
         try:
             ray.get(handle.shutdown.remote(), timeout=30)
         except Exception as exc:  # noqa: BLE001 - best-effort teardown, logged
             log.warning("engine %d shutdown failed: %s", engine_id, exc)
         ray.kill(handle)
-        with self._lock:
-            slot = self._slots.pop(engine_id, None)  # None: discarded already (it died)
-            if slot is not None and not slot[2]:
-                self._free.append((slot[0], slot[1]))
-        if slot is not None and slot[2]:
-            remove_placement_group(slot[0])
+        self._release(engine_id)
         log.info("engine %d retired", engine_id)
 
     def discard(self, engine_id: int, handle) -> None:
         """An engine that died (or hung and is killed now): kill its actor and give its bundles back
         at once, so a replacement can start; it stays a member until the next ``set_members``."""
         import ray
-        from ray.util.placement_group import remove_placement_group
 
         try:
             ray.kill(handle, no_restart=True)
         except Exception as exc:  # noqa: BLE001 - already gone
             log.debug("engine %d: kill: %s", engine_id, exc)
+        self._release(engine_id)
+        log.info("engine %d discarded: its bundle is free for a replacement", engine_id)
+
+    def _release(self, engine_id: int) -> None:
+        """Give an engine's bundles back: to the free list, or its own placement group is removed.
+        A no-op for an engine released already (discarded when it died, retired at shutdown)."""
+        from ray.util.placement_group import remove_placement_group
+
         with self._lock:
             slot = self._slots.pop(engine_id, None)
             if slot is not None and not slot[2]:
                 self._free.append((slot[0], slot[1]))
         if slot is not None and slot[2]:
             remove_placement_group(slot[0])
-        log.info("engine %d discarded: its bundle is free for a replacement", engine_id)
 
     def free_bundles(self) -> int:
         """Bundles of the pool's placement group no engine holds (a scale-up takes these first)."""
