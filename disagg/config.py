@@ -168,6 +168,12 @@ class TransportConfig:
     max_sync_retries: int = 3
     """A weight sync that fails (a dead receiver, a transport timeout) is retried on a rebuilt group
     this many times in a row before the run ends."""
+    overlap_push: bool = True
+    """With ``algorithm.max_staleness`` >= 1: each train step ends with a copy of the trainer's
+    parameters (this rank's shards under FSDP), and the weight push sends that copy from a
+    thread of its own while the next step trains. Costs one more copy of the (local) parameters
+    on each trainer worker; not with ``source=gather`` over several workers (the gather is a
+    collective of the trainer ranks), which then pushes between steps as with false."""
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,7 @@ class PendingSync:
     num_trainer_refs: int = 0
     engine_ids: tuple[int, ...] = ()  # the receiving engines, in the order of their refs
     pushed: bool | None = None  # the trainer's side finished without error (None: not known yet)
+    from_snapshot: bool = False  # sent from a copy: the trainer may train while it runs
 
     @property
     def engine_refs(self) -> dict[int, object]:
@@ -149,8 +150,9 @@ class Job:
         endpoints = [(*self.trainer.transport_endpoint(r), f"disagg-transport-{self.transport_epoch}-s{r}")
                      for r in range(n_groups)]
         t0 = time.perf_counter()
-        refs = [self.trainer.workers[r].init_transport.remote(host=h, port=p, world_size=world, backend=self.backend,
-                                                              timeout_s=t, group_name=name)
+        refs = [self.trainer.transport_method(r, "init_transport").remote(host=h, port=p, world_size=world,
+                                                                          backend=self.backend, timeout_s=t,
+                                                                          group_name=name)
                 for r, (h, p, name) in enumerate(endpoints)]
         refs += self.rollout.init_transport_async(endpoints, world, self.backend, t)
         self.coordinator.state.set_transport_members(self.rollout.engine_ids)
@@ -166,15 +168,16 @@ class Job:
         """Announce ``policy_version`` and broadcast it to every engine; returns when all acked."""
         return self.finish_sync(self.start_sync(policy_version, trainer_step))
 
-    def start_sync(self, policy_version: int, trainer_step: int) -> "PendingSync":
+    def start_sync(self, policy_version: int, trainer_step: int, from_snapshot: bool = False) -> "PendingSync":
         """Announce ``policy_version`` and start its broadcast; engines keep generating until they
-        receive (each pauses its in-flight requests only while it loads). ``finish_sync`` waits."""
+        receive (each pauses its in-flight requests only while it loads). ``finish_sync`` waits.
+        ``from_snapshot``: the trainer sends the copy its step took (``transport.overlap_push``)."""
         t0 = time.perf_counter()
         self.trainer.announce(self.control_client(), policy_version, trainer_step)
         self.coordinator.state.set_trainer_step(trainer_step)
-        pushes = self.trainer.push_weights_async(policy_version)
+        pushes = self.trainer.push_weights_async(policy_version, from_snapshot)
         return PendingSync(policy_version, t0, pushes + self.rollout.receive_weights_async(policy_version), len(pushes),
-                           tuple(self.rollout.engine_ids))
+                           tuple(self.rollout.engine_ids), from_snapshot=from_snapshot)
 
     def finish_sync(self, pending: "PendingSync") -> SyncStats:
         """Wait for every party of a started sync; one TransportError naming each failed party."""

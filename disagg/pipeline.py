@@ -34,6 +34,7 @@ from typing import Any
 from disagg.rollout.types import GenRequest, GenResult, SamplingSpec
 from disagg.samples import TrainSample
 from disagg.tasks.base import safe_reward
+from disagg.trainer.snapshot import KEEP as SNAPSHOTS_KEPT
 
 log = logging.getLogger("disagg.pipeline")
 
@@ -250,6 +251,7 @@ class Pipeline:
         self.died: set[int] = set()  # every engine declared dead (a member until the next rebuild)
         self._requeue: deque[int] = deque()  # gids of groups to generate again (their engine died)
         self._retries: Counter = Counter()  # gid -> agent groups run again after an unreachable engine
+        self._snapshots: list[int] = []  # versions the trainer keeps a copy of (overlap_push), oldest first
         self._pings: dict[int, tuple[Any, float]] = {}  # engine id -> (health check ref, sent at)
         self._last_ping: dict[int, float] = {}
         self._rebuild = False  # a sync failed: the next one rebuilds the transport group first
@@ -360,9 +362,10 @@ class Pipeline:
                         ref, gid = self._submit(load, engine_version)
                         gen[ref] = gid
                 # The trainer is free once its step is done and its weights are pushed without error
-                # (the engines may still be loading them); one finished step may wait for its sync.
+                # (the engines may still be loading them), or at once when the push sends a snapshot
+                # (transport.overlap_push); one finished step may wait for its sync.
                 trainer_free = (train_refs is None and queued is None
-                                and (pending_sync is None or self._pushed(pending_sync)))
+                                and (pending_sync is None or pending_sync.from_snapshot or self._pushed(pending_sync)))
                 if (pending_sync is None and trainer_free and self.joining and not self.serving
                         and not self.joined):
                     # Every engine died: the replacements join now, with the trainer's weights.
@@ -387,7 +390,10 @@ class Pipeline:
                         t_idle_from = None
                         samples = [s for g in batch for s in g.samples]
                         self.last_batch = samples
-                        train_refs = self.job.trainer.train_step_async(samples)
+                        snap = version + 1 if self.job.trainer.overlap_push and limit >= 1 else None
+                        if snap is not None:  # the push of the version this step makes sends a copy
+                            self._snapshots = [*self._snapshots[-(SNAPSHOTS_KEPT - 1):], snap]
+                        train_refs = self.job.trainer.train_step_async(samples, snap)
                 # Trainer and sync refs already seen done stay out: ray.wait would return them at
                 # once and the driver would spin (stealing a core) until their siblings finish.
                 busy = (train_refs or []) + (pending_sync.refs if pending_sync else [])
@@ -883,7 +889,7 @@ class Pipeline:
             self.joining = {}
             log.info("rollout pool rebuilt in %.2f s: engines %s (%s joined, %s left, %s dead)", time.perf_counter() - t0,
                      pool.engine_ids, self.joined or "none", sorted(gone) or "none", dead or "none")
-        return self.job.start_sync(version, step)
+        return self.job.start_sync(version, step, from_snapshot=version in self._snapshots)
 
     def prompts_lost(self) -> int:
         """Prompt groups drawn from the data that were neither handed to the trainer, dropped (counted),

@@ -49,6 +49,20 @@ def model_tensor_specs(model_path: str) -> tuple:
     return tuple(TensorSpec(n, tuple(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in model.named_parameters())
 
 
+def _token_versions(request_id: str, spans, num_tokens: int) -> list[int]:
+    """The policy version of each output token, from vLLM's weight-version spans (``[start, end)``
+    of output tokens sampled by the weights labelled ``version`` at a sync)."""
+    versions: list[int] = []
+    for span in spans or []:
+        if span.start != len(versions):
+            raise RolloutError(f"request {request_id}: weight-version spans are not contiguous ({spans})")
+        versions += [int(span.version)] * (span.end - span.start)
+    if len(versions) != num_tokens:
+        raise RolloutError(f"request {request_id}: {num_tokens} tokens but weight-version spans cover "
+                           f"{len(versions)} ({spans})")
+    return versions
+
+
 class EngineActor:
     """A vLLM engine behind a weights-loaded gate. Wrapped with ``ray.remote`` by the pool."""
 
@@ -196,11 +210,9 @@ class EngineActor:
             m = Manifest.from_dict(manifest)
         self._report_state("SYNCING")
         eng = self._engine
+        # In-flight requests freeze; vLLM labels their tokens with the weight version that
+        # sampled them, so where the new version starts in a response needs no timing here.
         await eng.pause_generation(mode="keep", clear_cache=False)
-        # Let the request loops take the tokens the old weights produced before the pause,
-        # so they are tagged with the old version.
-        for _ in range(3):
-            await asyncio.sleep(0)
         try:
             await eng.start_weight_update()
             t1 = time.perf_counter()
@@ -269,23 +281,22 @@ class EngineActor:
         params = SamplingParams(
             n=s.n, max_tokens=s.max_tokens, temperature=0.0 if s.greedy else s.temperature,
             top_p=1.0 if s.greedy else s.top_p, seed=s.seed, logprobs=0, ignore_eos=s.ignore_eos,
-            # Deltas, so each token is tagged with the policy version serving when it arrived:
-            # a request paused across weight updates keeps its tokens and continues on the new weights.
-            output_kind=RequestOutputKind.DELTA,
+            detokenize=False,  # token ids are what the trainer and rewards use (decoded once, by the driver)
+            # One output per request when it is done: a request paused across weight updates keeps
+            # its tokens and continues on the new weights, and vLLM labels every token with the
+            # weight version that sampled it (the policy version each sync sets), so no per-step
+            # output has to be watched to tag tokens.
+            output_kind=RequestOutputKind.FINAL_ONLY,
         )
         comps: dict[int, Completion] = {}
         try:
             async for out in self._engine.generate(TokensPrompt(prompt_token_ids=list(req.prompt_ids)), params,
                                                    request_id=req.request_id):
                 for o in out.outputs:
-                    c = comps.setdefault(o.index, Completion([], [], "", []))
                     ids = list(o.token_ids)
-                    c.response_ids.extend(ids)
-                    if o.logprobs:
-                        c.logprobs.extend(o.logprobs[i][t].logprob for i, t in enumerate(ids))
-                    c.token_versions.extend([self.version] * len(ids))
-                    if o.finish_reason is not None:
-                        c.finish_reason = str(o.finish_reason)
+                    logprobs = [o.logprobs[i][t].logprob for i, t in enumerate(ids)] if o.logprobs else []
+                    comps[o.index] = Completion(ids, logprobs, str(o.finish_reason) if o.finish_reason else "",
+                                                _token_versions(req.request_id, o.weight_versions, len(ids)))
         except ValueError as e:  # vLLM's own input validation
             self.stats["dropped_invalid_prompt"] = self.stats.get("dropped_invalid_prompt", 0) + 1
             log.warning("dropping request %s: %s", req.request_id, e)
@@ -298,6 +309,7 @@ class EngineActor:
                 raise RolloutError(f"request {req.request_id}: {len(c.response_ids)} tokens but "
                                    f"{len(c.logprobs)} log-probs from the engine")
             self.stats["tokens_generated"] += len(c.response_ids)
+        min_version = min((v for c in ordered for v in c.token_versions), default=min_version)
         max_version = max((v for c in ordered for v in c.token_versions), default=min_version)
         return GenResult(req.request_id, self.engine_id, list(req.prompt_ids), ordered, min_version, max_version)
 

@@ -27,7 +27,14 @@ class TrainerGroup:
         self.cfg = cfg
         self.timeout_s = cfg.cluster.actor_timeout_s
         n = cfg.trainer.num_workers
-        cls = ray.remote(TrainerWorker)
+        # transport.overlap_push: pushes (and the calls that set up and announce them) run on a
+        # thread of their own, so a push from a snapshot goes on while the next step trains.
+        self.overlap_push = cfg.transport.overlap_push and (n == 1 or cfg.transport.source == "shards")
+        if cfg.transport.overlap_push and not self.overlap_push:
+            log.info("transport.overlap_push: off with source=gather over %d trainer workers (the gather is a "
+                     "collective of the trainer ranks); pushes run between train steps", n)
+        cls = ray.remote(concurrency_groups={"transport": 1})(TrainerWorker) if self.overlap_push else ray.remote(
+            TrainerWorker)
         bundle = bundle_order(pg)  # rank i on bundle[i]: ranks ordered by node, then device
         self.workers = [
             cls.options(
@@ -53,22 +60,32 @@ class TrainerGroup:
     def rank0(self):
         return self.workers[0]
 
+    def transport_method(self, rank: int, name: str):
+        """Worker ``rank``'s actor method ``name`` on the transport thread (with overlap_push): it does
+        not wait for a train step that is running."""
+        method = getattr(self.workers[rank], name)
+        return method.options(concurrency_group="transport") if self.overlap_push else method
+
     def transport_endpoint(self, rank: int = 0) -> tuple[str, int]:
         """(host, port) for the TCPStore of the transport group that trainer ``rank`` sends on."""
-        w = self.workers[rank]
-        return self._get(w.node_ip.remote(), f"trainer rank {rank} address"), self._get(
-            w.free_port.remote(), f"trainer rank {rank} port")
+        return (self._get(self.transport_method(rank, "node_ip").remote(), f"trainer rank {rank} address"),
+                self._get(self.transport_method(rank, "free_port").remote(), f"trainer rank {rank} port"))
 
     def train_step(self, samples: list[TrainSample]) -> dict[str, float]:
         """One step over ``samples`` (one optimizer step per mini-batch), split evenly across workers."""
         return self.summarise(self._get(self.train_step_async(samples), "train step"))
 
-    def train_step_async(self, samples: list[TrainSample]) -> list:
-        """Start a train step on every worker (returns the refs; ``summarise`` their results)."""
+    def train_step_async(self, samples: list[TrainSample], snapshot_version: int | None = None) -> list:
+        """Start a train step on every worker (returns the refs; ``summarise`` their results).
+        ``snapshot_version``: the workers then copy their parameters as that version, for a
+        push from the snapshot (``push_weights_async(..., from_snapshot=True)``; overlap_push only)."""
+        if snapshot_version is not None and not self.overlap_push:
+            raise ValueError("a snapshot for an overlapped push needs transport.overlap_push (and source=shards "
+                             "or one trainer worker)")
         n, m = len(self.workers), self.cfg.algorithm.num_minibatches
         shards = [samples[i::n] for i in range(n)]
         tokens = [sum(s.num_trained_tokens for sh in shards for s in sh[j::m]) for j in range(m)]
-        return [w.train_step.remote(sh, tokens) for w, sh in zip(self.workers, shards)]
+        return [w.train_step.remote(sh, tokens, snapshot_version) for w, sh in zip(self.workers, shards)]
 
     @staticmethod
     def summarise(outs: list[dict]) -> dict[str, float]:
@@ -82,15 +99,20 @@ class TrainerGroup:
             "kl_ref": sum(o["kl_ref_sum"] for o in outs) / num_tokens,
             "grad_norm": outs[0]["grad_norm"],
             "tokens": num_tokens,
+            "snapshot_s": max(o.get("snapshot_seconds", 0.0) for o in outs),
         }
 
-    def push_weights_async(self, policy_version: int) -> list:
-        """Start the weight push on every rank (rank 0 sends); returns the refs."""
-        return [w.push_weights.remote(policy_version) for w in self.workers]
+    def push_weights_async(self, policy_version: int, from_snapshot: bool = False) -> list:
+        """Start the weight push on every rank (rank 0 sends, or every rank with source=shards);
+        returns the refs. ``from_snapshot``: send the copy taken by the train step that made
+        ``policy_version`` while the next step may train."""
+        return [self.transport_method(r, "push_weights").remote(policy_version, from_snapshot)
+                for r in range(len(self.workers))]
 
     def announce(self, coordinator, policy_version: int, trainer_step: int) -> str:
         """Rank 0 announces the version and its manifest to the coordinator over gRPC."""
-        ref = self.rank0.announce.remote(coordinator, policy_version, trainer_step, self.cfg.control.rpc_timeout_s)
+        ref = self.transport_method(0, "announce").remote(coordinator, policy_version, trainer_step,
+                                                          self.cfg.control.rpc_timeout_s)
         return self._get(ref, f"announce of version {policy_version}")
 
     def save_checkpoint(self, path: str) -> str:

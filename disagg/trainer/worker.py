@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import deque
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from disagg.config import AlgorithmConfig, TrainerConfig, TransportConfig
 from disagg.logs import setup_logging
 from disagg.samples import TrainSample
 from disagg.trainer.grpo import linear_warmup, ppo_clip_loss, token_logprobs
+from disagg.trainer.snapshot import Snapshots
 
 log = logging.getLogger("disagg.trainer")
 
@@ -50,6 +52,10 @@ class TrainerWorker:
         self.sender = None
         self._manifest = None
         self._params: dict[str, torch.Tensor] | None = None  # named parameters, for the weight sync
+        self._flats: list[torch.Tensor] | None = None  # the flat parameter buffers (one rank, fp32 wire)
+        self._snapshots = Snapshots()  # transport.overlap_push: what the pushes send
+        self._push_stream = None  # CUDA: the stream pushes from snapshots run on
+        self._timeline: deque = deque(maxlen=512)  # (what, version, start, end), time.time()
         self._step_delay_s = cfg.step_delay_s
         self._coord = None
 
@@ -95,7 +101,7 @@ class TrainerWorker:
             # sync is a slice of it and goes out without a packing copy.
             from disagg.transport.buckets import flatten_parameters
 
-            flatten_parameters(model)
+            self._flats = list(flatten_parameters(model).values())
         self.model = model
         self.opt = torch.optim.AdamW(model.parameters(), lr=self.cfg.lr, betas=self.cfg.betas,
                                      weight_decay=self.cfg.weight_decay)
@@ -131,11 +137,15 @@ class TrainerWorker:
                 mask[i, :r] = torch.tensor(s.loss_mask, dtype=mask.dtype)
         return out, mask
 
-    def train_step(self, samples: list[TrainSample], minibatch_tokens: list[int]) -> dict[str, float]:
+    def train_step(self, samples: list[TrainSample], minibatch_tokens: list[int],
+                   snapshot_version: int | None = None) -> dict[str, float]:
         """Optimizer steps on this rank's share: one per mini-batch (``samples[j::M]``, M =
         ``len(minibatch_tokens)``); ``minibatch_tokens[j]`` = response tokens of mini-batch j over
-        all ranks, so every step's loss is a token mean over the whole mini-batch."""
+        all ranks, so every step's loss is a token mean over the whole mini-batch. With
+        ``snapshot_version`` the updated parameters are then copied as that version, for a
+        push that runs while the next step trains (``push_weights(..., from_snapshot=True)``)."""
         t0 = time.perf_counter()
+        wall0 = time.time()
         self.model.train()
         mode = self.algo.off_policy
         num_mb = len(minibatch_tokens)
@@ -152,6 +162,12 @@ class TrainerWorker:
             norms.append(self._optimizer_step())
         if self._step_delay_s > 0:
             time.sleep(self._step_delay_s)
+        snapshot_s = 0.0
+        if snapshot_version is not None:
+            t1 = time.perf_counter()
+            self._snapshots.take(snapshot_version, self._local_params(), self._flats)
+            snapshot_s = time.perf_counter() - t1
+        self._timeline.append(("train", snapshot_version, wall0, time.time()))
         tok = max(totals["tokens"], 1.0)
         return {
             "loss": totals["loss"],
@@ -162,6 +178,7 @@ class TrainerWorker:
             "num_tokens": totals["tokens"],
             "grad_norm": float(sum(norms) / len(norms)),
             "ratio_mean_local": totals["ratio"] / tok,
+            "snapshot_seconds": snapshot_s,
             "seconds": time.perf_counter() - t0,
         }
 
@@ -309,6 +326,16 @@ class TrainerWorker:
         return {"optimizer_step": steps, "exp_avg_abs_sum": float(total), "lr": float(self.sched.get_last_lr()[0])}
 
     # ---- weights -------------------------------------------------------------------
+    def _local_params(self) -> dict[str, torch.Tensor]:
+        """Every parameter as this rank holds it (its shard under FSDP), in named_parameters order."""
+        return {name: (p.detach().to_local() if hasattr(p, "to_local") else p.detach())
+                for name, p in self.model.named_parameters()}
+
+    def timeline(self) -> list[tuple[str, int | None, float, float]]:
+        """The last train steps and pushes as (what, version, start, end) in wall-clock seconds
+        (inspection: shows whether pushes overlapped training)."""
+        return list(self._timeline)
+
     def _full_params(self) -> dict[str, torch.Tensor]:
         """Full tensors of every parameter, in named_parameters order (a collective under FSDP:
         every rank must call this in lockstep)."""
@@ -353,12 +380,20 @@ class TrainerWorker:
         self._coord.announce_version(m, trainer_step)
         return m.layout_digest()
 
-    def push_weights(self, policy_version: int) -> dict[str, Any]:
+    def push_weights(self, policy_version: int, from_snapshot: bool = False) -> dict[str, Any]:
         """Send the current parameters as ``policy_version``; every rank must call this
-        (gather mode: the full-tensor gathers are collectives over the trainer ranks)."""
+        (gather mode: the full-tensor gathers are collectives over the trainer ranks).
+
+        ``from_snapshot``: send the copy the train step that made ``policy_version`` took
+        instead; this runs on the actor's ``transport`` thread while the next step trains
+        (not with ``source=gather`` over several ranks, whose gathers are collectives).
+        """
+        if from_snapshot:
+            return self._push_snapshot(policy_version)
         from disagg.transport.sync import send_model
 
         t0 = time.perf_counter()
+        wall0 = time.time()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
             base = torch.cuda.memory_allocated(self.device)
@@ -375,6 +410,45 @@ class TrainerWorker:
                        group_bytes_sent=self.group.bytes_sent)
         if self.device.type == "cuda":
             out["peak_extra_bytes"] = torch.cuda.max_memory_allocated(self.device) - base
+        self._timeline.append(("push", policy_version, wall0, time.time()))
+        return out
+
+    def _push_snapshot(self, policy_version: int) -> dict[str, Any]:
+        from disagg.errors import TransportError
+        from disagg.transport.sync import send_model
+
+        if self.transport_cfg.source == "gather" and self.world_size > 1:
+            raise ValueError("push_weights(from_snapshot=True) needs transport.source=shards or one trainer worker "
+                             f"(source={self.transport_cfg.source!r}, {self.world_size} workers)")
+        t0 = time.perf_counter()
+        wall0 = time.time()
+        self.manifest(policy_version)
+        m = self._manifest.with_version(policy_version)
+        snap = self._snapshots.get(policy_version)
+
+        def send():
+            return send_model(self.group, self.model, m, source=self.transport_cfg.source, trainer_rank=self.rank,
+                              num_trainer_ranks=self.world_size, num_buffers=self.transport_cfg.num_buffers,
+                              verify=self.transport_cfg.verify, sender=self.sender, params=snap.tensors)
+
+        with snap.lock:
+            if snap.version != policy_version:  # refilled between the lookup and the lock
+                raise TransportError(f"the snapshot of policy version {policy_version} was replaced by "
+                                     f"{snap.version} before its push")
+            if snap.event is None:
+                stats = send()
+            else:
+                if self._push_stream is None:
+                    self._push_stream = torch.cuda.Stream(self.device)
+                self._push_stream.wait_event(snap.event)  # the copy is done before any byte leaves
+                with torch.cuda.stream(self._push_stream):
+                    stats = send()
+        out: dict[str, Any] = {"rank": self.rank, "seconds": time.perf_counter() - t0, "bytes": 0, "num_buckets": 0,
+                               "snapshot": True}
+        if stats is not None:
+            out.update(bytes=stats.bytes, send_s=stats.seconds, num_buckets=stats.num_buckets,
+                       group_bytes_sent=self.group.bytes_sent)
+        self._timeline.append(("push", policy_version, wall0, time.time()))
         return out
 
     # ---- inspection (tests, debugging) ---------------------------------------------

@@ -28,6 +28,8 @@ from disagg.transport.manifest import DTYPE_BYTES, BucketPlan, Manifest, TensorS
 
 log = logging.getLogger(__name__)
 
+_VIEW_SETS = 4  # bucket-view sets a sender keeps (one per set of tensor addresses)
+
 NamedTensors = Mapping[str, torch.Tensor] | Callable[[], Iterable[tuple[str, torch.Tensor]]]
 
 
@@ -154,10 +156,10 @@ class WeightSender:
         self._after_pack: Callable[[int, torch.Tensor], None] | None = None  # fault injection in tests
         self._slots: list[dict[str, torch.Tensor]] = []
         self._slots_key: str | None = None
-        # Bucket views of tensors that already lie in plan order (flat parameters),
-        # kept across syncs while the layout and every tensor's address stay the same.
-        self._views: list[torch.Tensor] | None = None
-        self._views_key: tuple | None = None
+        # Bucket views of tensors that already lie in plan order (flat parameters), kept
+        # across syncs while the layout and every tensor's address stay the same; a few
+        # sets, as the trainer's weight snapshots alternate between buffers.
+        self._views: dict[tuple, list[torch.Tensor] | None] = {}
 
     def _flat_views(self, manifest: Manifest, named_tensors: NamedTensors) -> list[torch.Tensor] | None:
         """Every bucket as a view of existing memory, or None if some bucket needs packing.
@@ -168,15 +170,16 @@ class WeightSender:
         if not isinstance(named_tensors, Mapping) or self._after_pack is not None:
             return None
         try:
-            key = (manifest.layout_digest(), [named_tensors[t.name].data_ptr() for t in manifest.tensors])
+            key = (manifest.layout_digest(), tuple(named_tensors[t.name].data_ptr() for t in manifest.tensors))
         except KeyError:
             return None  # the full path names the missing tensor
-        if key != self._views_key:
+        if key not in self._views:
             source = _TensorSource(manifest, named_tensors)
             views = [contiguous_bucket(plan, source.take(plan)) for plan in manifest.buckets]
-            self._views = None if any(v is None for v in views) else views
-            self._views_key = key
-        return self._views
+            if len(self._views) >= _VIEW_SETS:
+                self._views.pop(next(iter(self._views)))
+            self._views[key] = None if any(v is None for v in views) else views
+        return self._views[key]
 
     def _buffers(self, manifest: Manifest, slack: int = 0) -> list[dict[str, torch.Tensor]]:
         key = f"{manifest.layout_digest()}+{slack}"

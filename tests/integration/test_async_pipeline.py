@@ -65,6 +65,55 @@ def _replay_logprobs(job, states: dict[int, dict], prompt: list[int], response: 
     return torch.stack(out)
 
 
+def test_a_push_from_a_snapshot_sends_its_version_while_the_next_step_trains(job, tok):
+    """transport.overlap_push: the push of version v+1 reads the copy its train step took, on the
+    trainer's transport thread, while the next step changes the live weights. First in the module:
+    later tests train the policy into saturation, where a step no longer moves greedy log-probs."""
+    import ray
+
+    assert job.trainer.overlap_push  # the default, with one trainer worker
+    v = _next_version(job)
+    job.sync_weights(v, trainer_step=v)
+    prompt = [tok.bos_token_id] + tok.encode("98765=", add_special_tokens=False)
+    greedy = SamplingSpec(max_tokens=8, greedy=True, ignore_eos=True)
+    engine = job.rollout.engines[0]
+    (res,) = ray.get(engine.generate.remote([GenRequest("snap0", tuple(prompt), greedy)]), timeout=120)
+    response = res.completions[0].response_ids
+
+    def on_policy(advantage: float) -> list[TrainSample]:
+        """The greedy response with the trainer's own log-probs: nothing is clipped, every step moves."""
+        probe = TrainSample(prompt, response, [0.0] * len(response), advantage, 0.0, v)
+        (lp,) = ray.get(job.trainer.rank0.logprobs.remote([probe]), timeout=120)
+        return [TrainSample(prompt, response, lp, advantage, 0.0, v)] * 4
+
+    ray.get(job.trainer.train_step_async(on_policy(1.0), snapshot_version=v + 1), timeout=120)
+    made = ray.get(job.trainer.rank0.full_state_dict.remote(), timeout=120)  # the weights of v + 1
+    job.trainer.announce(job.control_client(), v + 1, v + 1)
+    push = job.trainer.push_weights_async(v + 1, from_snapshot=True)
+    # No engine receives yet, so the push waits for its receiver; the next step (the response
+    # pushed down) trains meanwhile, on the trainer's other thread.
+    ray.get(job.trainer.train_step_async(on_policy(-1.0), snapshot_version=v + 2), timeout=120)
+    assert not ray.wait(push, timeout=0)[0], "the push finished without a receiver"
+    live = ray.get(job.trainer.rank0.full_state_dict.remote(), timeout=120)
+    ray.get(push + job.rollout.receive_weights_async(v + 1), timeout=120)
+    assert job.coordinator.state.committed_version() == v + 1
+
+    # The engine serves exactly the snapshot: its greedy log-probs are those of v + 1's weights.
+    (res,) = ray.get(engine.generate.remote([GenRequest("snap1", tuple(prompt), greedy)]), timeout=120)
+    c = res.completions[0]
+    assert set(c.token_versions) == {v + 1}
+    got = torch.tensor(c.logprobs)
+    err = (_replay_logprobs(job, {v + 1: made}, prompt, c.response_ids, [v + 1] * 8) - got).abs().max().item()
+    assert err < 2e-3, err
+    wrong = (_replay_logprobs(job, {v + 1: live}, prompt, c.response_ids, [v + 1] * 8) - got).abs().max().item()
+    assert wrong > 1e-2, wrong  # the live weights (after the next step) would not match
+
+    timeline = ray.get(job.trainer.rank0.timeline.remote(), timeout=60)
+    (pushed,) = [(a, b) for what, ver, a, b in timeline if what == "push" and ver == v + 1]
+    (trained,) = [(a, b) for what, ver, a, b in timeline if what == "train" and ver == v + 2]
+    assert trained[1] < pushed[1]  # the next step ended while the push was still going on
+
+
 def test_partial_rollouts_continue_across_several_weight_updates(job, tok):
     import ray
 
@@ -109,6 +158,30 @@ def test_partial_rollouts_continue_across_several_weight_updates(job, tok):
         assert wrong.max().item() > 1e-2
     assert result.min_version == min(result.completions[0].token_versions)
     assert result.max_version == max(max(c.token_versions) for c in result.completions)
+
+
+def test_a_pipeline_at_staleness_one_pushes_while_the_trainer_trains(job, tok):
+    import ray
+
+    job.coordinator.state.set_max_staleness(1)
+    first = _next_version(job)
+    job.sync_weights(first, trainer_step=first)
+    ray.get(job.trainer.rank0.set_step_delay.remote(0.3), timeout=60)
+    try:
+        records = _pipeline(job, tok).run(6, first_step=first)
+    finally:
+        ray.get(job.trainer.rank0.set_step_delay.remote(0.0), timeout=60)
+    assert [r["policy/version_trained"] for r in records] == list(range(first, first + 6))
+    assert all(r["policy/staleness_max"] <= 1 for r in records)
+    timeline = ray.get(job.trainer.rank0.timeline.remote(), timeout=60)
+    trains = {ver: (a, b) for what, ver, a, b in timeline if what == "train" and ver is not None and ver > first}
+    pushes = {ver: (a, b) for what, ver, a, b in timeline if what == "push" and ver > first}
+    assert set(pushes) == set(range(first + 1, first + 7))  # every version the run made was pushed
+    assert set(trains) == set(pushes)  # ... from the snapshot its step took
+    # The trainer did not wait for a push to end before its next step: some step started while the
+    # previous version's push was still going on.
+    overlapped = [ver for ver in pushes if ver + 1 in trains and trains[ver + 1][0] < pushes[ver][1]]
+    assert overlapped, (pushes, trains)
 
 
 def _pipeline(job, tok, **kw):

@@ -13,13 +13,21 @@ import sys
 
 import pytest
 
-from disagg.bench.pipeline import _first_reaching
+from disagg.bench.pipeline import _first_reaching, steady_throughput
 
 
 def test_first_reaching_uses_the_moving_mean_and_elapsed_time():
     recs = [{"reward/mean": r, "timing/step_s": 0.5} for r in [0.1, 0.9, 0.9, 0.2, 0.9, 0.9, 0.9]]
     assert _first_reaching(recs, 0.8, window=3) == (7, 3.5)
     assert _first_reaching(recs, 0.95, window=3) == (None, None)
+
+
+def test_steady_throughput_leaves_the_warm_up_steps_out():
+    recs = [{"samples/trained": 10, "timing/step_s": 5.0}] + [{"samples/trained": 10, "timing/step_s": 0.5}] * 4
+    assert steady_throughput(recs, 1) == (20.0, 2.0)
+    assert steady_throughput(recs, 0) == (50 / 7.0, 7.0)
+    with pytest.raises(ValueError, match="async-warmup-steps=5"):
+        steady_throughput(recs, 5)
 
 
 @pytest.mark.timeout(900)
