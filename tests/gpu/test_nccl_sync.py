@@ -18,6 +18,15 @@ def test_nccl_pipelined_sync_is_bit_identical(trainers, source):
     check_bit_identical(reports, trainers, source)
 
 
+@pytest.mark.parametrize("trainers, source", [(1, "gather"), (2, "shards")])
+def test_nccl_snapshot_sent_beside_the_next_step_is_bit_identical(trainers, source):
+    receivers = 2 if torch.cuda.device_count() >= trainers + 2 else 1
+    if torch.cuda.device_count() < trainers + receivers:
+        pytest.skip(f"needs {trainers + receivers} GPUs, have {torch.cuda.device_count()}")
+    reports = _run(trainers, source, backend="nccl", receivers=receivers, overlap=True)
+    check_bit_identical(reports, trainers, source)
+
+
 def test_nccl_checksum_mismatch_rejects_the_version():
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")

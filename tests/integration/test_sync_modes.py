@@ -49,7 +49,7 @@ def _device(backend: str, index: int) -> torch.device:
 
 
 def _trainer(rank: int, world: int, receivers: int, ports: list[int], fsdp_port: int, source: str,
-             corrupt: bool, backend: str, out: mp.Queue) -> None:
+             corrupt: bool, backend: str, out: mp.Queue, overlap: bool = False) -> None:
     from disagg.transport.group import create_group
     from disagg.transport.sync import model_manifest, send_model, source_groups_needed
 
@@ -79,15 +79,64 @@ def _trainer(rank: int, world: int, receivers: int, ports: list[int], fsdp_port:
             if index == 1:
                 packed.view(torch.uint8)[3] ^= 0xFF
         sender._after_pack = flip
-    stats = send_model(group, net, full, source=source, trainer_rank=rank, num_trainer_ranks=world,
-                       num_buffers=2, verify=corrupt, sender=sender)
     full_weights = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().cpu().reshape(-1).tolist()
                     for n, p in net.named_parameters()}
+    if overlap:
+        stats = _send_snapshot_while_training(net, group, full, source, rank, world, sender, device)
+    else:
+        stats = send_model(group, net, full, source=source, trainer_rank=rank, num_trainer_ranks=world,
+                           num_buffers=2, verify=corrupt, sender=sender)
     out.put({"role": "trainer", "rank": rank, "weights": full_weights,
              "sent": None if stats is None else stats.bytes, "manifest_bytes": full.total_bytes})
     if group is not None:
         group.barrier()
         group.destroy()
+
+
+def _send_snapshot_while_training(net, group, full, source, rank, world, sender, device):
+    """transport.overlap_push as the trainer worker runs it: snapshot the (local) parameters, send the
+    snapshot from another thread (its own CUDA stream) while this thread changes every live
+    parameter and runs collectives over the trainer ranks, as the next train step would."""
+    import threading
+
+    from disagg.trainer.snapshot import Snapshots
+    from disagg.transport.sync import send_model
+
+    local = {n: (p.detach().to_local() if hasattr(p, "to_local") else p.detach()) for n, p in net.named_parameters()}
+    snap = Snapshots().take(5, local)
+    result: dict = {}
+
+    def push() -> None:
+        try:
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+                stream = torch.cuda.Stream(device)
+                stream.wait_event(snap.event)
+                with torch.cuda.stream(stream):
+                    result["stats"] = send_model(group, net, full, source=source, trainer_rank=rank,
+                                                 num_trainer_ranks=world, num_buffers=2, sender=sender,
+                                                 params=snap.tensors)
+            else:
+                result["stats"] = send_model(group, net, full, source=source, trainer_rank=rank,
+                                             num_trainer_ranks=world, num_buffers=2, sender=sender,
+                                             params=snap.tensors)
+        except BaseException as e:  # noqa: BLE001 - reported by the caller
+            result["error"] = e
+
+    thread = threading.Thread(target=push)
+    thread.start()
+    with torch.no_grad():
+        for t in local.values():
+            t.add_(1.0)  # the next optimizer step, in place
+    if world > 1:
+        import torch.distributed as dist
+
+        for _ in range(20):  # the next step's collectives, beside the push
+            dist.all_reduce(torch.ones(1024, device=device))
+    thread.join()
+    if "error" in result:
+        raise result["error"]
+    return result["stats"]
 
 
 def _receiver(index: int, receivers: int, num_groups: int, ports: list[int], source: str, verify: bool,
@@ -120,7 +169,8 @@ def _receiver(index: int, receivers: int, num_groups: int, ports: list[int], sou
         g.destroy()
 
 
-def _run(trainers: int, source: str, corrupt: bool = False, backend: str = "gloo", receivers: int = 2) -> list[dict]:
+def _run(trainers: int, source: str, corrupt: bool = False, backend: str = "gloo", receivers: int = 2,
+         overlap: bool = False) -> list[dict]:
     """Spawn the trainers and receivers (on NCCL: one GPU each, trainers first) and collect their reports."""
     from disagg.transport.group import pick_free_port
     from disagg.transport.sync import source_groups_needed
@@ -131,7 +181,7 @@ def _run(trainers: int, source: str, corrupt: bool = False, backend: str = "gloo
     ports = [pick_free_port(HOST) for _ in range(num_groups)]
     fsdp_port = pick_free_port(HOST)
     procs = [ctx.Process(target=_trainer, args=(r, trainers, receivers, ports, fsdp_port, source, corrupt, backend,
-                                                out)) for r in range(trainers)]
+                                                out, overlap)) for r in range(trainers)]
     procs += [ctx.Process(target=_receiver, args=(j, receivers, num_groups, ports, source, corrupt, backend, trainers,
                                                   out)) for j in range(receivers)]
     for p in procs:
@@ -172,6 +222,13 @@ def check_bit_identical(reports: list[dict], trainers: int, source: str) -> None
 @pytest.mark.parametrize("trainers, source", [(1, "gather"), (1, "shards"), (2, "gather"), (2, "shards")])
 def test_pipelined_sync_is_bit_identical(trainers, source):
     check_bit_identical(_run(trainers, source), trainers, source)
+
+
+@pytest.mark.parametrize("trainers, source", [(1, "gather"), (2, "shards")])
+def test_a_snapshot_sent_while_the_live_weights_change_arrives_bit_identical(trainers, source):
+    # The trainer reports its weights as they were when the snapshot was taken; the live ones
+    # were all changed (+1) while the snapshot was on the wire.
+    check_bit_identical(_run(trainers, source, overlap=True), trainers, source)
 
 
 def test_checksum_mismatch_rejects_the_version_and_keeps_the_previous_weights():
