@@ -56,6 +56,9 @@ def _token_versions(request_id: str, spans, num_tokens: int) -> list[int]:
     for span in spans or []:
         if span.start != len(versions):
             raise RolloutError(f"request {request_id}: weight-version spans are not contiguous ({spans})")
+        if not str(span.version).isdigit():
+            raise RolloutError(f"request {request_id}: tokens sampled by weights labelled {span.version!r}, not a "
+                               "policy version (every load must set the label)")
         versions += [int(span.version)] * (span.end - span.start)
     if len(versions) != num_tokens:
         raise RolloutError(f"request {request_id}: {num_tokens} tokens but weight-version spans cover "
@@ -122,6 +125,7 @@ class EngineActor:
         start_s = time.perf_counter() - t0
         if self.cfg.load_format == "auto":
             self.version = 1
+            await self._engine.update_weight_version("1")  # vLLM labels every token with it
             self._weights_loaded.set()
             self._report_state("READY")
         else:
@@ -288,19 +292,21 @@ class EngineActor:
             # output has to be watched to tag tokens.
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
-        comps: dict[int, Completion] = {}
+        outputs: dict = {}
         try:
             async for out in self._engine.generate(TokensPrompt(prompt_token_ids=list(req.prompt_ids)), params,
                                                    request_id=req.request_id):
-                for o in out.outputs:
-                    ids = list(o.token_ids)
-                    logprobs = [o.logprobs[i][t].logprob for i, t in enumerate(ids)] if o.logprobs else []
-                    comps[o.index] = Completion(ids, logprobs, str(o.finish_reason) if o.finish_reason else "",
-                                                _token_versions(req.request_id, o.weight_versions, len(ids)))
+                outputs.update((o.index, o) for o in out.outputs)
         except ValueError as e:  # vLLM's own input validation
             self.stats["dropped_invalid_prompt"] = self.stats.get("dropped_invalid_prompt", 0) + 1
             log.warning("dropping request %s: %s", req.request_id, e)
             return GenResult(req.request_id, self.engine_id, list(req.prompt_ids), dropped="invalid_prompt", detail=str(e))
+        comps: dict[int, Completion] = {}
+        for i, o in outputs.items():
+            ids = list(o.token_ids)
+            logprobs = [o.logprobs[j][t].logprob for j, t in enumerate(ids)] if o.logprobs else []
+            comps[i] = Completion(ids, logprobs, str(o.finish_reason) if o.finish_reason else "",
+                                  _token_versions(req.request_id, o.weight_versions, len(ids)))
         if len(comps) != s.n:
             raise EngineDeadError(f"engine {self.engine_id} returned {len(comps)} of {s.n} samples for {req.request_id}")
         ordered = [comps[i] for i in sorted(comps)]

@@ -90,3 +90,5 @@ def test_token_versions_come_from_the_engine_weight_version_spans():
         _token_versions("r", spans[:2], 6)
     with pytest.raises(RolloutError, match="not contiguous"):
         _token_versions("r", [spans[0], spans[2]], 5)
+    with pytest.raises(RolloutError, match="labelled 'default'"):
+        _token_versions("r", [Span(version="default", start=0, end=2)], 2)
