@@ -388,68 +388,58 @@ class TrainerWorker:
         instead; this runs on the actor's ``transport`` thread while the next step trains
         (not with ``source=gather`` over several ranks, whose gathers are collectives).
         """
-        if from_snapshot:
-            return self._push_snapshot(policy_version)
         from disagg.transport.sync import send_model
 
         t0 = time.perf_counter()
         wall0 = time.time()
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-            base = torch.cuda.memory_allocated(self.device)
         self.manifest(policy_version)  # plans the layout on the first sync
         m = self._manifest.with_version(policy_version)
-        if self._params is None:  # parameters are updated in place from here on
-            self._params = dict(self.model.named_parameters())
-        stats = send_model(self.group, self.model, m, source=self.transport_cfg.source, trainer_rank=self.rank,
-                           num_trainer_ranks=self.world_size, num_buffers=self.transport_cfg.num_buffers,
-                           verify=self.transport_cfg.verify, sender=self.sender, params=self._params)
-        out: dict[str, Any] = {"rank": self.rank, "seconds": time.perf_counter() - t0, "bytes": 0, "num_buckets": 0}
+
+        def send(tensors: dict[str, torch.Tensor]):
+            return send_model(self.group, self.model, m, source=self.transport_cfg.source, trainer_rank=self.rank,
+                              num_trainer_ranks=self.world_size, num_buffers=self.transport_cfg.num_buffers,
+                              verify=self.transport_cfg.verify, sender=self.sender, params=tensors)
+
+        out: dict[str, Any] = {"rank": self.rank}
+        if from_snapshot:
+            stats = self._send_snapshot(policy_version, send)
+            out["snapshot"] = True
+        else:
+            if self.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(self.device)
+                base = torch.cuda.memory_allocated(self.device)
+            if self._params is None:  # parameters are updated in place from here on
+                self._params = dict(self.model.named_parameters())
+            stats = send(self._params)
+            if self.device.type == "cuda":
+                out["peak_extra_bytes"] = torch.cuda.max_memory_allocated(self.device) - base
+        out.update(seconds=time.perf_counter() - t0, bytes=0, num_buckets=0)
         if stats is not None:
             out.update(bytes=stats.bytes, send_s=stats.seconds, num_buckets=stats.num_buckets,
                        group_bytes_sent=self.group.bytes_sent)
-        if self.device.type == "cuda":
-            out["peak_extra_bytes"] = torch.cuda.max_memory_allocated(self.device) - base
         self._timeline.append(("push", policy_version, wall0, time.time()))
         return out
 
-    def _push_snapshot(self, policy_version: int) -> dict[str, Any]:
+    def _send_snapshot(self, policy_version: int, send):
+        """``send`` the snapshot of ``policy_version``, holding it so no train step refills it meanwhile
+        (CUDA: on the push stream, after the copy)."""
         from disagg.errors import TransportError
-        from disagg.transport.sync import send_model
 
         if self.transport_cfg.source == "gather" and self.world_size > 1:
             raise ValueError("push_weights(from_snapshot=True) needs transport.source=shards or one trainer worker "
                              f"(source={self.transport_cfg.source!r}, {self.world_size} workers)")
-        t0 = time.perf_counter()
-        wall0 = time.time()
-        self.manifest(policy_version)
-        m = self._manifest.with_version(policy_version)
         snap = self._snapshots.get(policy_version)
-
-        def send():
-            return send_model(self.group, self.model, m, source=self.transport_cfg.source, trainer_rank=self.rank,
-                              num_trainer_ranks=self.world_size, num_buffers=self.transport_cfg.num_buffers,
-                              verify=self.transport_cfg.verify, sender=self.sender, params=snap.tensors)
-
         with snap.lock:
             if snap.version != policy_version:  # refilled between the lookup and the lock
                 raise TransportError(f"the snapshot of policy version {policy_version} was replaced by "
                                      f"{snap.version} before its push")
             if snap.event is None:
-                stats = send()
-            else:
-                if self._push_stream is None:
-                    self._push_stream = torch.cuda.Stream(self.device)
-                self._push_stream.wait_event(snap.event)  # the copy is done before any byte leaves
-                with torch.cuda.stream(self._push_stream):
-                    stats = send()
-        out: dict[str, Any] = {"rank": self.rank, "seconds": time.perf_counter() - t0, "bytes": 0, "num_buckets": 0,
-                               "snapshot": True}
-        if stats is not None:
-            out.update(bytes=stats.bytes, send_s=stats.seconds, num_buckets=stats.num_buckets,
-                       group_bytes_sent=self.group.bytes_sent)
-        self._timeline.append(("push", policy_version, wall0, time.time()))
-        return out
+                return send(snap.tensors)
+            if self._push_stream is None:
+                self._push_stream = torch.cuda.Stream(self.device)
+            self._push_stream.wait_event(snap.event)  # the copy is done before any byte leaves
+            with torch.cuda.stream(self._push_stream):
+                return send(snap.tensors)
 
     # ---- inspection (tests, debugging) ---------------------------------------------
     @torch.no_grad()

@@ -9,6 +9,7 @@ a corrupted bucket and leave the receiver's previous weights in place.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import queue
 
@@ -108,15 +109,13 @@ def _send_snapshot_while_training(net, group, full, source, rank, world, sender,
 
     def push() -> None:
         try:
+            on_stream = contextlib.nullcontext()
             if device.type == "cuda":
                 torch.cuda.set_device(device)
                 stream = torch.cuda.Stream(device)
                 stream.wait_event(snap.event)
-                with torch.cuda.stream(stream):
-                    result["stats"] = send_model(group, net, full, source=source, trainer_rank=rank,
-                                                 num_trainer_ranks=world, num_buffers=2, sender=sender,
-                                                 params=snap.tensors)
-            else:
+                on_stream = torch.cuda.stream(stream)
+            with on_stream:
                 result["stats"] = send_model(group, net, full, source=source, trainer_rank=rank,
                                              num_trainer_ranks=world, num_buffers=2, sender=sender,
                                              params=snap.tensors)
