@@ -35,6 +35,21 @@ class Pools:
     group made later for more engines passes it too."""
 
 
+def freeze_heap(what: str) -> None:
+    """Take every object alive now (the model, vLLM, Ray, torch, transformers) out of the garbage
+    collector's full scans (``gc.freeze``), once a long-lived process has started.
+
+    Python's oldest-generation collection walks every tracked object; with those libraries loaded
+    it stalled an engine's actor for 0.48 s and the driver for 0.14-0.27 s, a few times a minute,
+    each time holding back a step. Objects made later are collected as usual.
+    """
+    import gc
+
+    gc.collect()
+    gc.freeze()
+    log.debug("%s: %d objects frozen out of the garbage collector's scans", what, gc.get_freeze_count())
+
+
 def pin_process(cores: tuple[int, ...] | None, what: str) -> None:
     """Pin every thread of this process (and the threads it starts later) to ``cores``; None: no-op.
 

@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from disagg.cluster import freeze_heap
 from disagg.rollout.types import GenRequest, GenResult, SamplingSpec
 from disagg.samples import TrainSample
 from disagg.tasks.base import safe_reward
@@ -152,7 +153,7 @@ class GroupScheduler:
 
 
 class RewardWorker:
-    """A CPU actor scoring one group at a time (wrapped with ``ray.remote`` by the pool)."""
+    """A CPU actor scoring groups (wrapped with ``ray.remote`` by the pool)."""
 
     def __init__(self, name: str | None, path: str | None, latency_s: float, log_level: str) -> None:
         from disagg.logs import setup_logging
@@ -161,12 +162,17 @@ class RewardWorker:
         setup_logging("reward", log_level)
         self.fn, self.latency_s = get_reward(name, path), latency_s
         self._logged: set[str] = set()
+        freeze_heap("reward worker")
 
     def score(self, texts: list[str], row: dict[str, Any]) -> tuple[list[float], dict[str, int]]:
         """Rewards of a group's texts; a raising or NaN reward scores 0 and is counted."""
         counts: Counter = Counter()
         rewards = [safe_reward(self.fn, t, row, counts, self._logged, self.latency_s) for t in texts]
         return rewards, dict(counts)
+
+    def score_groups(self, groups: list[tuple[list[str], dict[str, Any]]]) -> list[tuple[list[float], dict[str, int]]]:
+        """``score`` of each (texts, row): the groups that finished together, in one call."""
+        return [self.score(texts, row) for texts, row in groups]
 
 
 @dataclass
@@ -221,10 +227,12 @@ class Pipeline:
         self.rewards: list[Any] = []
         self._next_gid = 0
         self._rr = 0
+        self._next_worker = 0  # the reward worker the next call goes to first
         self.records: list[dict] = []  # every step's metrics, in order
         self.trained_tokens = 0
         self.trained_samples = 0
         self.last_batch: list[TrainSample] = []  # the samples of the latest train step (inspection)
+        self.last_groups: list[Group] = []  # ... and their groups
         self.checkpoint = checkpoint
         self.stopped: str | None = None  # the stop request's reason, when the run ended on one
         self.abandoned_groups = 0  # groups still generating when a stop ended the run
@@ -313,12 +321,13 @@ class Pipeline:
         self._start_rewards()
         if self.agent:
             self._start_runners()
+        freeze_heap("driver")
         state = self.job.coordinator.state
         version = engine_version = first_step  # the trainer's weights / what every engine serves
         step = first_step - 1
         last_step = first_step - 1 + total_steps
         gen: dict[Any, int] = {}  # ref -> gid
-        scoring: dict[Any, int] = {}
+        scoring: dict[Any, list[int]] = {}  # reward call -> the gids it scores
         train_refs: list | None = None
         record: StepRecord | None = None
         pending_sync = None
@@ -363,10 +372,13 @@ class Pipeline:
                         gen[ref] = gid
                 # The trainer is free once its step is done and its weights are pushed without error
                 # (the engines may still be loading them), or at once when the push sends a snapshot
-                # (transport.overlap_push); one finished step may wait for its sync.
-                trainer_free = (train_refs is None and queued is None
+                # (transport.overlap_push); one finished step may wait for its sync. A snapshot's step
+                # gets its next batch before its sync starts (just below): the trainer does not wait
+                # for the announce.
+                trainer_free = (train_refs is None
+                                and (queued is None or (pending_sync is None and version in self._snapshots))
                                 and (pending_sync is None or pending_sync.from_snapshot or self._pushed(pending_sync)))
-                if (pending_sync is None and trainer_free and self.joining and not self.serving
+                if (pending_sync is None and queued is None and trainer_free and self.joining and not self.serving
                         and not self.joined):
                     # Every engine died: the replacements join now, with the trainer's weights.
                     log.warning("no engine serves: engines %s join with version %d now", sorted(self.joining),
@@ -376,7 +388,7 @@ class Pipeline:
                 if trainer_free and t_idle_from is None:
                     t_idle_from = time.perf_counter()
                 ckpt_wanted = self.checkpoint is not None and self.stopped is None and state.checkpoint_wanted()
-                if ckpt_wanted and trainer_free and pending_sync is None:
+                if ckpt_wanted and trainer_free and pending_sync is None and queued is None:
                     # A consistent point: the trainer idle, every engine on its weights.
                     path = self.checkpoint(step, version)
                     state.checkpoint_written(step, version, path)
@@ -389,11 +401,14 @@ class Pipeline:
                         idle_s += record.t_batch - t_idle_from
                         t_idle_from = None
                         samples = [s for g in batch for s in g.samples]
-                        self.last_batch = samples
+                        self.last_batch, self.last_groups = samples, batch
                         snap = version + 1 if self.job.trainer.overlap_push and limit >= 1 else None
                         if snap is not None:  # the push of the version this step makes sends a copy
                             self._snapshots = [*self._snapshots[-(SNAPSHOTS_KEPT - 1):], snap]
                         train_refs = self.job.trainer.train_step_async(samples, snap)
+                if queued is not None and pending_sync is None:  # a finished step's weights go out
+                    pending_sync, sync_record, queued = (self._start_sync(version, queued.step, load, engine_tokens),
+                                                         queued, None)
                 # Trainer and sync refs already seen done stay out: ray.wait would return them at
                 # once and the driver would spin (stealing a core) until their siblings finish.
                 busy = (train_refs or []) + (pending_sync.refs if pending_sync else [])
@@ -414,13 +429,13 @@ class Pipeline:
                     quiet = time.perf_counter() - t_event
                     if quiet >= next_log:
                         log.info("waiting %.0f s: %d groups generating, %d scoring, %d ready of %d, train step %s, "
-                                 "sync %s", quiet, len(gen), len(scoring), len(self.sched.ready),
+                                 "sync %s", quiet, len(gen), _count(scoring), len(self.sched.ready),
                                  self.sched.batch_groups, "running" if train_refs else "idle",
                                  "running" if pending_sync else "idle")
                         next_log = quiet + self.cfg.rollout.wait_log_interval_s
                     if quiet > stall_limit:
                         raise RolloutError(f"no progress for {stall_limit:.0f} s (cluster.actor_timeout_s): "
-                                           f"{len(gen)} groups generating, {len(scoring)} scoring, train step "
+                                           f"{len(gen)} groups generating, {_count(scoring)} scoring, train step "
                                            f"{'running' if train_refs else 'idle'}, sync "
                                            f"{'running' if pending_sync else 'idle'}")
                     continue
@@ -467,15 +482,13 @@ class Pipeline:
                         self._held.append((gid, [c.final_text if c.final_text is not None else
                                                  self.decode(c.response_ids) for c in group.result.completions]))
                     elif ref in scoring:
-                        gid = scoring.pop(ref)
-                        rewards, counts = ray.get(ref)
-                        self._scored(gid, rewards, counts)
+                        for gid, (rewards, counts) in zip(scoring.pop(ref), ray.get(ref)):
+                            self._scored(gid, rewards, counts)
                 if self._held and (self.overlap_rewards or not gen):
-                    for gid, texts in self._held:
-                        scoring.update(self._score(gid, texts))
+                    scoring.update(self._score(self._held))
                     self._held = []
                 state.set_run_stats(buffer_groups=len(self.sched.ready),
-                                    inflight_groups=len(gen) + len(scoring) + len(self._held))
+                                    inflight_groups=len(gen) + _count(scoring) + len(self._held))
                 if train_refs is not None and all(r in ready or _is_done(r) for r in train_refs):
                     assert record is not None
                     record.train = self.job.trainer.summarise(ray.get(train_refs))
@@ -484,10 +497,7 @@ class Pipeline:
                     train_refs = None
                     version += 1
                     step += 1
-                    if pending_sync is None:
-                        pending_sync, sync_record = self._start_sync(version, step, load, engine_tokens), record
-                    else:
-                        queued = record
+                    queued = record  # its sync starts at the top of the loop, once the previous one finished
                 if pending_sync is not None and all(r in ready or _is_done(r) for r in pending_sync.refs):
                     sync = self._finish_sync(pending_sync, state)
                     seen_done.difference_update(pending_sync.refs)
@@ -504,9 +514,6 @@ class Pipeline:
                             self._routed.update(self.joined)
                         self.serving += self.joined
                         self.joined = []
-                    if queued is not None:  # its weights are the trainer's current ones
-                        pending_sync, sync_record, queued = (self._start_sync(version, queued.step, load, engine_tokens),
-                                                             queued, None)
                     if done is None:  # a sync that only brought new engines in
                         continue
                     now = time.perf_counter()
@@ -515,7 +522,7 @@ class Pipeline:
                     rec["rollout/group_seconds_mean"] = sum(latencies) / max(len(latencies), 1)
                     step_s = max(now - t_last, 1e-9)
                     state.set_run_stats(trainer_version=version, buffer_groups=len(self.sched.ready),
-                                        inflight_groups=len(gen) + len(scoring),
+                                        inflight_groups=len(gen) + _count(scoring),
                                         engine_load={i: (load[i], engine_tokens.get(i, 0) / step_s) for i in load})
                     state.publish_metrics(done.step, rec)
                     self.last_done = (done.step, sync.policy_version)
@@ -898,15 +905,26 @@ class Pipeline:
         dropped = self.fate["dropped_invalid"] + self.sched.counts["dropped_stale_groups"] - self._stale_groups_before
         return self._next_gid - self.fate["taken"] - dropped - len(self.sched.inflight) - len(self.sched.ready)
 
-    def _score(self, gid: int, texts: list[str]) -> dict:
-        """Send a finished group to a reward worker (its ref -> gid), or score it here when there are none."""
-        row = self.sched.inflight[gid].row
-        if self.rewards:
-            return {self.rewards[gid % len(self.rewards)].score.remote(texts, row): gid}
-        counts: Counter = Counter()
-        rewards = [self.scorer.reward(t, row, counts) for t in texts]
-        self._scored(gid, rewards, dict(counts))
-        return {}
+    def _score(self, finished: list[tuple[int, list[str]]]) -> dict[Any, list[int]]:
+        """Send the groups that finished together to the reward workers, one call per worker (its
+        ref -> its gids), or score them here when there are none. A call per group would cost each
+        group a Ray task in a worker; on a small machine that overhead alone took a quarter of a core."""
+        if not self.rewards:
+            for gid, texts in finished:
+                counts: Counter = Counter()
+                rewards = [self.scorer.reward(t, self.sched.inflight[gid].row, counts) for t in texts]
+                self._scored(gid, rewards, dict(counts))
+            return {}
+        n = len(self.rewards)
+        calls = {}
+        for k in range(min(n, len(finished))):
+            part = finished[k::n]
+            worker = self.rewards[(self._next_worker + k) % n]
+            calls[worker.score_groups.remote([(texts, self.sched.inflight[gid].row) for gid, texts in part])] = \
+                [gid for gid, _ in part]
+        self._next_worker = (self._next_worker + len(calls)) % n
+        self.fate["reward_calls"] += len(calls)
+        return calls
 
     def _scored(self, gid: int, rewards: list[float], counts: dict[str, int]) -> None:
         self.counts.update(counts)
@@ -982,6 +1000,11 @@ class Pipeline:
                         "agent/tool_errors": info["tool_errors"], "agent/malformed_tool_calls": info["malformed_tool_calls"],
                         **{f"agent/{k}_frac": v / n for k, v in info.items() if k.startswith("finish_")}})
         return rec
+
+
+def _count(calls: dict[Any, list[int]]) -> int:
+    """Groups in flight across calls that each carry several."""
+    return sum(len(g) for g in calls.values())
 
 
 def _brief(e: BaseException) -> str:

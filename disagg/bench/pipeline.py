@@ -47,7 +47,8 @@ log = logging.getLogger("disagg.bench")
 
 @dataclasses.dataclass(frozen=True)
 class PipelineBenchOptions:
-    tail_steps: int = 32  # train steps per scheduler in the long-tail comparison
+    tail_steps: int = 64  # train steps per scheduler in the long-tail comparison
+    tail_warmup_steps: int = 2  # batch steps run first and not measured (the engine's one-off warm-up)
     tail_short: int = 4  # most responses: this many tokens
     tail_long: int = 96  # the tail: this many tokens
     tail_fraction: float = 0.1  # share of prompts whose responses are long
@@ -125,15 +126,23 @@ def long_tail(o: PipelineBenchOptions, run_dir: Path) -> dict[str, Any]:
                        reward={"num_workers": 1})
     job, tok = _start(cfg, run_dir / "tail")
     version, out = 1, {}
+
+    def lengths_from(rng: random.Random):
+        def lengths(row: dict):
+            from disagg.rollout.types import SamplingSpec
+
+            n = o.tail_long if rng.random() < o.tail_fraction else o.tail_short
+            return SamplingSpec(max_tokens=n, temperature=1.0, n=cfg.algorithm.group_size, ignore_eos=True)
+        return lengths
+
     try:
+        if o.tail_warmup_steps:  # vLLM's first batches of each shape are slow: not on the batch run's clock
+            job.coordinator.state.set_max_staleness(0)
+            _run(_replace(_replace(cfg, "rollout", scheduler="batch"), "algorithm", max_staleness=0), job, tok,
+                 o.tail_warmup_steps, version, sampling_for=lengths_from(random.Random(1)))
+            version += o.tail_warmup_steps
         for mode in ("batch", "stream"):
-            rng = random.Random(0)  # the same length sequence for both schedulers
-
-            def lengths(row: dict, rng=rng):
-                from disagg.rollout.types import SamplingSpec
-
-                n = o.tail_long if rng.random() < o.tail_fraction else o.tail_short
-                return SamplingSpec(max_tokens=n, temperature=1.0, n=cfg.algorithm.group_size, ignore_eos=True)
+            lengths = lengths_from(random.Random(0))  # the same length sequence for both schedulers
 
             # batch is the synchronous pattern (staleness 0: a step waits for its slowest group and
             # nothing generates while it trains); stream runs at tail_staleness.

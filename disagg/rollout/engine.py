@@ -16,9 +16,10 @@ import asyncio
 import logging
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from disagg.cluster import pin_process
+from disagg.cluster import freeze_heap, pin_process
 from disagg.config import RolloutConfig, TransportConfig
 from disagg.errors import ChecksumError, EngineDeadError, RolloutError
 from disagg.logs import await_logged, setup_logging
@@ -81,16 +82,25 @@ class EngineActor:
         self.seed = seed
         self.version = 0  # 0 = dummy weights, never served
         self._weights_loaded = asyncio.Event()
+        # Cleared while a sync loads: new requests wait, so an engine with nothing in flight
+        # loads without pausing vLLM (a pause and resume cost two round trips to its engine core).
+        self._not_loading = asyncio.Event()
+        self._not_loading.set()
+        self._active = 0  # requests of this actor admitted to vLLM and not finished
+        self._paused = False  # vLLM's scheduler paused (keep) by a sync, until one completes
         self._engine = None
         self._coord = None
         self._registered = False
+        # gRPC to the coordinator from one thread, in order: state reports need no wait (the
+        # actor's event loop goes on generating), acks are awaited without blocking it.
+        self._control = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"control-{engine_id}")
         self._draining = False  # scaled down: finishing its groups, takes no new ones
         if coordinator is not None:  # a CoordinatorClient (address, token, TLS root), or "host:port"
             from disagg.control.client import CoordinatorClient
 
             self._coord = (coordinator if isinstance(coordinator, CoordinatorClient)
                            else CoordinatorClient(coordinator, timeout_s=rpc_timeout_s))
-        self.stats = {"requests": 0, "dropped_prompt_too_long": 0, "tokens_generated": 0,
+        self.stats = {"requests": 0, "dropped_prompt_too_long": 0, "tokens_generated": 0, "pauses": 0,
                       "http_requests": 0, "http_inflight": 0, "http_waiting": 0}
         self.address = ""  # the OpenAI API's base address (http://host:port), once serving
         self._http = None  # (uvicorn server, its task)
@@ -137,6 +147,7 @@ class EngineActor:
             self._coord.register_engine(EngineInfo(self.engine_id, node, os.getpid(), self.address, state,
                                                    model_tensor_specs(self.model_path)))
             self._registered = True
+        freeze_heap(f"engine {self.engine_id}")
         log.info("engine started in %.1fs (load_format=%s)", start_s, self.cfg.load_format)
         return {"engine_id": self.engine_id, "start_s": start_s, "node_ip": node, "pid": os.getpid(),
                 "address": self.address, "node_id": ray.get_runtime_context().get_node_id()}
@@ -154,8 +165,14 @@ class EngineActor:
         self._http = (server, task)
 
     async def _wait_weights(self, what: str) -> None:
-        """Block until real weights are loaded (the guard against serving dummy weights)."""
-        await await_logged(self._weights_loaded.wait(), what=what, timeout_s=self.cfg.weights_wait_timeout_s,
+        """Block until real weights are loaded (the guard against serving dummy weights) and no sync
+        is loading. Callers count their request as in flight right after, with no await between."""
+        async def servable() -> None:
+            while not (self._weights_loaded.is_set() and self._not_loading.is_set()):
+                await self._weights_loaded.wait()
+                await self._not_loading.wait()
+
+        await await_logged(servable(), what=what, timeout_s=self.cfg.weights_wait_timeout_s,
                            log=log, interval_s=self.cfg.wait_log_interval_s)
 
     async def shutdown(self) -> None:
@@ -167,21 +184,37 @@ class EngineActor:
         if self._engine is not None:
             self._engine.shutdown()
             self._engine = None
+        self._control.shutdown(wait=False)
 
     async def set_draining(self, draining: bool, reason: str) -> None:
         """The driver stopped (or resumed) giving this engine prompts: while draining it reports
         DRAINING until it leaves the pool."""
         self._draining = draining
         if self._weights_loaded.is_set():
-            self._report_state("DRAINING" if draining else "READY", reason)
+            await self._report_state("DRAINING" if draining else "READY", reason)
 
-    def _report_state(self, state: str, message: str = "") -> None:
-        if self._coord is not None and self._registered:
-            from disagg.control.types import EngineState
+    def _report_state(self, state: str, message: str = "") -> asyncio.Future:
+        """Tell the coordinator this engine's state (from the control thread, in order with acks).
+        Await the result to know it arrived; a report nobody awaits that fails is logged."""
+        if self._coord is None or not self._registered:
+            done = asyncio.get_running_loop().create_future()
+            done.set_result(None)
+            return done
+        from disagg.control.types import EngineState
 
-            if self._draining and state in ("READY", "SYNCING"):  # still synced while a member; still leaving
-                state = "DRAINING"
-            self._coord.update_engine_state(self.engine_id, EngineState(state), message)
+        if self._draining and state in ("READY", "SYNCING"):  # still synced while a member; still leaving
+            state = "DRAINING"
+        fut = self._control_call(self._coord.update_engine_state, self.engine_id, EngineState(state), message)
+
+        def failed(f: asyncio.Future) -> None:
+            if not f.cancelled() and f.exception() is not None:
+                log.warning("engine state report %s failed: %s", state, f.exception())
+
+        fut.add_done_callback(failed)
+        return fut
+
+    def _control_call(self, fn, *args) -> asyncio.Future:
+        return asyncio.wrap_future(self._control.submit(fn, *args))
 
     # ---- weight sync -----------------------------------------------------------------
     async def init_transport(self, *, groups: list[list], world_size: int, rank_offset: int, backend: str,
@@ -197,26 +230,51 @@ class EngineActor:
     async def receive_weights(self, policy_version: int, manifest: dict | None = None) -> SyncReport:
         """Take ``policy_version`` off the wire (concurrently with the trainer's send).
 
-        The manifest is fetched from the coordinator unless given. In-flight
-        requests are frozen (pause keep), the prefix cache is cleared so no KV
-        from the old weights is reused, and the version is acknowledged.
+        The manifest is fetched from the coordinator unless given. New requests wait
+        until the load is done; requests in flight are frozen (vLLM's pause keep) and
+        continue on the new weights. An engine with nothing in flight loads without
+        pausing vLLM: a pause and resume cost two round trips to the engine core, on
+        every step's critical path. The prefix cache is
+        cleared so no KV from the old weights is reused, and the version is acknowledged.
         """
+        t0 = time.perf_counter()
+        self._not_loading.clear()  # before the first await: a request arriving from now on waits
+        try:
+            m, recv_s = await self._load(policy_version, manifest)
+        finally:
+            self._not_loading.set()
+        self._report_state("READY")
+        acked = (self._control_call(self._coord.ack_version, self.engine_id, policy_version, m.layout_digest())
+                 if self._coord is not None else None)
+        stats = await self.get_transfer_stats()
+        if acked is not None:
+            await acked
+        return SyncReport(self.engine_id, policy_version, int(stats.get("bytes", 0)), int(stats.get("num_buckets", 0)),
+                          int(stats.get("num_tensors", 0)), recv_s, time.perf_counter() - t0)
+
+    async def _load(self, policy_version: int, manifest: dict | None):
+        """``receive_weights`` behind the closed gate: (the manifest, seconds on the wire)."""
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
         from disagg.transport.manifest import Manifest
 
-        t0 = time.perf_counter()
         if manifest is None:
             if self._coord is None:
                 raise RolloutError("receive_weights without a manifest needs a coordinator")
-            m = self._coord.get_manifest(policy_version)
+            m = await self._control_call(self._coord.get_manifest, policy_version)
         else:
             m = Manifest.from_dict(manifest)
         self._report_state("SYNCING")
         eng = self._engine
         # In-flight requests freeze; vLLM labels their tokens with the weight version that
         # sampled them, so where the new version starts in a response needs no timing here.
-        await eng.pause_generation(mode="keep", clear_cache=False)
+        # AsyncLLM.pause_generation is this call plus a 20 ms sleep that only lets outputs of
+        # aborted or drained requests arrive first (vLLM: "not required for correctness"); in
+        # keep mode nothing is aborted, and the sleep was a fifth of a long-tail step's time.
+        if not self._paused and (self._active or self.stats["http_inflight"] or eng.get_num_unfinished_requests()):
+            await eng.engine_core.pause_scheduler_async(mode="keep", clear_cache=False)
+            self._paused = True
+            self.stats["pauses"] += 1
         try:
             await eng.start_weight_update()
             t1 = time.perf_counter()
@@ -228,23 +286,23 @@ class EngineActor:
             rejected = (await self.get_transfer_stats()).get("rejected") if self._engine is not None else None
             if rejected and self._weights_loaded.is_set():
                 # Checksums failed before anything was loaded: the previous version is intact.
-                await eng.resume_generation()
-                self._report_state("READY", f"rejected version {policy_version}: {rejected}"[:500])
+                await self._resume()
+                await self._report_state("READY", f"rejected version {policy_version}: {rejected}"[:500])
                 raise ChecksumError(f"engine {self.engine_id}: {rejected}") from e
             # The model may hold part of a version: close the gate and stay paused, so
             # neither new nor frozen requests run until a sync completes.
             self._weights_loaded.clear()
-            self._report_state("WAITING_FOR_WEIGHTS", f"sync of version {policy_version} failed: {e}"[:500])
+            await self._report_state("WAITING_FOR_WEIGHTS", f"sync of version {policy_version} failed: {e}"[:500])
             raise
         self.version = policy_version  # before resuming: every token from here on is this version's
         self._weights_loaded.set()
-        await eng.resume_generation()
-        stats = await self.get_transfer_stats()
-        self._report_state("READY")
-        if self._coord is not None:
-            self._coord.ack_version(self.engine_id, policy_version, m.layout_digest())
-        return SyncReport(self.engine_id, policy_version, int(stats.get("bytes", 0)), int(stats.get("num_buckets", 0)),
-                          int(stats.get("num_tensors", 0)), recv_s, time.perf_counter() - t0)
+        await self._resume()
+        return m, recv_s
+
+    async def _resume(self) -> None:
+        if self._paused:
+            await self._engine.resume_generation()
+            self._paused = False
 
     async def ping(self) -> dict[str, Any]:
         """The driver's health check: vLLM's own (raises once its engine core died) and what it serves."""
@@ -293,6 +351,7 @@ class EngineActor:
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
         outputs: dict = {}
+        self._active += 1  # right after the gate: a sync starting from here on pauses vLLM
         try:
             async for out in self._engine.generate(TokensPrompt(prompt_token_ids=list(req.prompt_ids)), params,
                                                    request_id=req.request_id):
@@ -301,6 +360,8 @@ class EngineActor:
             self.stats["dropped_invalid_prompt"] = self.stats.get("dropped_invalid_prompt", 0) + 1
             log.warning("dropping request %s: %s", req.request_id, e)
             return GenResult(req.request_id, self.engine_id, list(req.prompt_ids), dropped="invalid_prompt", detail=str(e))
+        finally:
+            self._active -= 1
         comps: dict[int, Completion] = {}
         for i, o in outputs.items():
             ids = list(o.token_ids)
@@ -329,7 +390,10 @@ class EngineActor:
         return ray.get_runtime_context().get_placement_group_id()
 
     async def get_stats(self) -> dict[str, Any]:
-        return dict(self.stats, policy_version=self.version, address=self.address)
+        import gc
+
+        return dict(self.stats, policy_version=self.version, address=self.address,
+                    gc_frozen_objects=gc.get_freeze_count())
 
     async def get_address(self) -> str:
         """The OpenAI API base address (``http://host:port``; append ``/v1``), empty if not serving."""

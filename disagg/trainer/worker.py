@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from disagg.cluster import pin_process
+from disagg.cluster import freeze_heap, pin_process
 from disagg.config import AlgorithmConfig, TrainerConfig, TransportConfig
 from disagg.logs import setup_logging
 from disagg.samples import TrainSample
@@ -109,6 +109,7 @@ class TrainerWorker:
         n = sum(p.numel() for p in model.parameters())
         log.info("model loaded from %s (%d parameters%s)", self.model_path, n,
                  f", FSDP2 over {self.world_size} ranks" if self.world_size > 1 else "")
+        freeze_heap(f"trainer worker {self.rank}")
         return {"num_parameters": n}
 
     # ---- training ------------------------------------------------------------------

@@ -34,7 +34,8 @@ def test_steady_throughput_leaves_the_warm_up_steps_out():
 def test_bench_pipeline_reports_measured_ratios(tmp_path):
     out = tmp_path / "pipeline.json"
     cmd = [sys.executable, "-m", "disagg", "bench", "pipeline", "--only", "tail,overlap", "--tail-steps", "3",
-           "--overlap-steps", "3", "--tail-long", "48", "--run-dir", str(tmp_path / "runs"), "--json", str(out)]
+           "--tail-warmup-steps", "1", "--overlap-steps", "3", "--tail-long", "48", "--run-dir", str(tmp_path / "runs"),
+           "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=840)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())

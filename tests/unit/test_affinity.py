@@ -41,3 +41,28 @@ def test_cpu_affinity_out_of_range_names_key_and_value():
         load_config({"trainer": {"cpu_affinity": []}})
     cfg = load_config({"rollout": {"cpu_affinity": [0]}, "trainer": {"cpu_affinity": [0]}})
     assert cfg.rollout.cpu_affinity == (0,) and cfg.trainer.cpu_affinity == (0,)
+
+
+def test_freeze_heap_takes_the_live_heap_out_of_full_collections():
+    """A full collection walks every tracked object; after freeze_heap the ones alive then are
+    skipped (they stalled an engine's actor for 0.48 s a few times a minute)."""
+    import gc
+
+    from disagg.cluster import freeze_heap
+
+    class Node:
+        pass
+
+    kept = [Node() for _ in range(1000)]
+    garbage = Node()
+    garbage.self = garbage  # a cycle only a collection frees
+    del garbage
+    try:
+        freeze_heap("test")
+        assert gc.get_freeze_count() >= len(kept)
+        full = {id(o) for o in gc.get_objects(generation=2)}
+        assert not any(id(k) in full for k in kept)  # frozen, not scanned
+        cycles = [o for o in gc.get_objects() if isinstance(o, Node) and getattr(o, "self", None) is o]
+        assert not cycles  # the garbage was collected before the freeze
+    finally:
+        gc.unfreeze()
