@@ -909,10 +909,11 @@ class Pipeline:
         """Send the groups that finished together to the reward workers, one call per worker (its
         ref -> its gids), or score them here when there are none. A call per group would cost each
         group a Ray task in a worker; on a small machine that overhead alone took a quarter of a core."""
+        rows = {gid: self.sched.inflight[gid].row for gid, _ in finished}
         if not self.rewards:
             for gid, texts in finished:
                 counts: Counter = Counter()
-                rewards = [self.scorer.reward(t, self.sched.inflight[gid].row, counts) for t in texts]
+                rewards = [self.scorer.reward(t, rows[gid], counts) for t in texts]
                 self._scored(gid, rewards, dict(counts))
             return {}
         n = len(self.rewards)
@@ -920,8 +921,7 @@ class Pipeline:
         for k in range(min(n, len(finished))):
             part = finished[k::n]
             worker = self.rewards[(self._next_worker + k) % n]
-            calls[worker.score_groups.remote([(texts, self.sched.inflight[gid].row) for gid, texts in part])] = \
-                [gid for gid, _ in part]
+            calls[worker.score_groups.remote([(texts, rows[gid]) for gid, texts in part])] = [gid for gid, _ in part]
         self._next_worker = (self._next_worker + len(calls)) % n
         self.fate["reward_calls"] += len(calls)
         return calls

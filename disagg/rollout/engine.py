@@ -234,8 +234,8 @@ class EngineActor:
         until the load is done; requests in flight are frozen (vLLM's pause keep) and
         continue on the new weights. An engine with nothing in flight loads without
         pausing vLLM: a pause and resume cost two round trips to the engine core, on
-        every step's critical path. The prefix cache is
-        cleared so no KV from the old weights is reused, and the version is acknowledged.
+        every step's critical path. The prefix cache is cleared so no KV from the old
+        weights is reused, and the version is acknowledged.
         """
         t0 = time.perf_counter()
         self._not_loading.clear()  # before the first await: a request arriving from now on waits
