@@ -326,7 +326,7 @@ class Pipeline:
         version = engine_version = first_step  # the trainer's weights / what every engine serves
         step = first_step - 1
         last_step = first_step - 1 + total_steps
-        gen: dict[Any, int] = {}  # ref -> gid
+        gen: dict[Any, dict[str, int]] = {}  # engine stream (or runner call) -> request id -> gid, still to come
         scoring: dict[Any, list[int]] = {}  # reward call -> the gids it scores
         train_refs: list | None = None
         record: StepRecord | None = None
@@ -364,12 +364,10 @@ class Pipeline:
                 next_train = version + (1 if train_refs is not None else 0)
                 admitted = 0 if paused or not self.serving else self.sched.admit(engine_version, next_train, limit)
                 if self._more_steps and not paused and self.serving:
-                    while self._requeue:  # admitted already: their engine died
-                        ref, gid = self._submit(load, engine_version, self._requeue.popleft())
-                        gen[ref] = gid
-                    for _ in range(admitted):
-                        ref, gid = self._submit(load, engine_version)
-                        gen[ref] = gid
+                    wave = [self._submit(load, engine_version, self._requeue.popleft())
+                            for _ in range(len(self._requeue))]  # admitted already: their engine died
+                    wave += [self._submit(load, engine_version) for _ in range(admitted)]
+                    self._dispatch(gen, wave)
                 # The trainer is free once its step is done and its weights are pushed without error
                 # (the engines may still be loading them), or at once when the push sends a snapshot
                 # (transport.overlap_push); one finished step may wait for its sync. A snapshot's step
@@ -429,13 +427,13 @@ class Pipeline:
                     quiet = time.perf_counter() - t_event
                     if quiet >= next_log:
                         log.info("waiting %.0f s: %d groups generating, %d scoring, %d ready of %d, train step %s, "
-                                 "sync %s", quiet, len(gen), _count(scoring), len(self.sched.ready),
+                                 "sync %s", quiet, _count(gen), _count(scoring), len(self.sched.ready),
                                  self.sched.batch_groups, "running" if train_refs else "idle",
                                  "running" if pending_sync else "idle")
                         next_log = quiet + self.cfg.rollout.wait_log_interval_s
                     if quiet > stall_limit:
                         raise RolloutError(f"no progress for {stall_limit:.0f} s (cluster.actor_timeout_s): "
-                                           f"{len(gen)} groups generating, {_count(scoring)} scoring, train step "
+                                           f"{_count(gen)} groups generating, {_count(scoring)} scoring, train step "
                                            f"{'running' if train_refs else 'idle'}, sync "
                                            f"{'running' if pending_sync else 'idle'}")
                     continue
@@ -446,41 +444,41 @@ class Pipeline:
                     if ref in self.launching:
                         self._launched(ref, state)
                     elif ref in gen:
-                        gid = gen.pop(ref)
-                        group = self.sched.inflight[gid]
-                        if group.engine >= 0:
-                            load[group.engine] -= 1
-                            engine_tokens.setdefault(group.engine, 0)
-                        try:
-                            group.result = ray.get(ref)[0]
-                        except Exception as e:
-                            if group.engine < 0:
-                                if isinstance(e, ray.exceptions.RayActorError):
-                                    raise RolloutError(f"agent runner died while generating group {gid}: "
-                                                       f"{_brief(e)}") from e
-                                raise
-                            why = self._failure(group.engine, e)
-                            if why is None:  # the engine is healthy: a real error
-                                raise
-                            self._engine_died(state, group.engine, f"{why} (while generating group {gid})", gid)
-                            continue
-                        if group.result.dropped == "engine_unreachable" and self._retries[gid] < 3:
-                            self._retries[gid] += 1  # an agent session's engine died: run the group again
-                            self._generate_again([gid])
-                            continue
-                        if any(v < 1 for c in group.result.completions for v in c.token_versions):
-                            self.dummy_served += 1
-                        n_tok = sum(len(c.response_ids) for c in group.result.completions)
-                        gen_tokens += n_tok
-                        if group.engine >= 0:
-                            engine_tokens[group.engine] += n_tok
-                        latencies.append(time.perf_counter() - group.t_submit)
-                        if not self.scorer.check_group(group.result, self.counts):
-                            self.sched.finished(gid, None)
-                            self.fate["dropped_invalid"] += 1
-                            continue
-                        self._held.append((gid, [c.final_text if c.final_text is not None else
-                                                 self.decode(c.response_ids) for c in group.result.completions]))
+                        for gids, result in _take(gen, ref):
+                            group = self.sched.inflight[gids[0]]
+                            if group.engine >= 0:
+                                load[group.engine] -= len(gids)
+                                engine_tokens.setdefault(group.engine, 0)
+                            if isinstance(result, BaseException):
+                                if group.engine < 0:
+                                    if isinstance(result, ray.exceptions.RayActorError):
+                                        raise RolloutError(f"agent runner died while generating group {gids[0]}: "
+                                                           f"{_brief(result)}") from result
+                                    raise result
+                                why = self._failure(group.engine, result)
+                                if why is None:  # the engine is healthy: a real error
+                                    raise result
+                                self._engine_died(state, group.engine, f"{why} (while generating group(s) {gids})",
+                                                  gids)
+                                continue
+                            gid, group.result = gids[0], result
+                            if group.result.dropped == "engine_unreachable" and self._retries[gid] < 3:
+                                self._retries[gid] += 1  # an agent session's engine died: run the group again
+                                self._generate_again([gid])
+                                continue
+                            if any(v < 1 for c in group.result.completions for v in c.token_versions):
+                                self.dummy_served += 1
+                            n_tok = sum(len(c.response_ids) for c in group.result.completions)
+                            gen_tokens += n_tok
+                            if group.engine >= 0:
+                                engine_tokens[group.engine] += n_tok
+                            latencies.append(time.perf_counter() - group.t_submit)
+                            if not self.scorer.check_group(group.result, self.counts):
+                                self.sched.finished(gid, None)
+                                self.fate["dropped_invalid"] += 1
+                                continue
+                            self._held.append((gid, [c.final_text if c.final_text is not None else
+                                                     self.decode(c.response_ids) for c in group.result.completions]))
                     elif ref in scoring:
                         for gid, (rewards, counts) in zip(scoring.pop(ref), ray.get(ref)):
                             self._scored(gid, rewards, counts)
@@ -488,7 +486,7 @@ class Pipeline:
                     scoring.update(self._score(self._held))
                     self._held = []
                 state.set_run_stats(buffer_groups=len(self.sched.ready),
-                                    inflight_groups=len(gen) + _count(scoring) + len(self._held))
+                                    inflight_groups=_count(gen) + _count(scoring) + len(self._held))
                 if train_refs is not None and all(r in ready or _is_done(r) for r in train_refs):
                     assert record is not None
                     record.train = self.job.trainer.summarise(ray.get(train_refs))
@@ -522,7 +520,7 @@ class Pipeline:
                     rec["rollout/group_seconds_mean"] = sum(latencies) / max(len(latencies), 1)
                     step_s = max(now - t_last, 1e-9)
                     state.set_run_stats(trainer_version=version, buffer_groups=len(self.sched.ready),
-                                        inflight_groups=len(gen) + _count(scoring),
+                                        inflight_groups=_count(gen) + _count(scoring),
                                         engine_load={i: (load[i], engine_tokens.get(i, 0) / step_s) for i in load})
                     state.publish_metrics(done.step, rec)
                     self.last_done = (done.step, sync.policy_version)
@@ -535,7 +533,7 @@ class Pipeline:
                         self.progress.update(done.step, rec)
                     if self.on_step is not None:
                         self.on_step(done.step, rec)
-            self.abandoned_groups = len(gen) + len(self._requeue)
+            self.abandoned_groups = _count(gen) + len(self._requeue)
         finally:
             state.set_scale_check(None)
             self.close()
@@ -548,8 +546,9 @@ class Pipeline:
         return self.records
 
     def _submit(self, load: dict[int, int], engine_version: int, again: int | None = None):
-        """Send the next prompt's group (or group ``again``, whose engine died) to the serving engine
-        with the fewest groups in flight."""
+        """The next prompt's group (or group ``again``, whose engine died) for the serving engine with
+        the fewest groups in flight: (engine id, its request, gid) for ``_dispatch``; an agent group is
+        sent to its runner at once: (-1, the call, gid)."""
         if again is None:
             row = next(self.source)
             gid = self._next_gid
@@ -564,7 +563,7 @@ class Pipeline:
         if self.agent:
             self.sched.submitted(Group(gid, rowd, prompt, -1, engine_version, time.perf_counter()))
             runner = self.runners[gid % len(self.runners)]
-            return runner.run_group.remote(gid, rowd["messages"], sampling), gid
+            return -1, runner.run_group.remote(gid, rowd["messages"], sampling), gid
         serving = self.serving
         k = min(range(len(serving)), key=lambda i: (load[serving[i]], (i - self._rr) % len(serving)))
         e = serving[k]
@@ -572,7 +571,22 @@ class Pipeline:
         load[e] += 1
         self.sched.submitted(Group(gid, rowd, prompt, e, engine_version, time.perf_counter()))
         rid = f"g{gid}" if again is None else f"g{gid}-again{self._rr}"
-        return self.job.rollout.handle(e).generate.remote([GenRequest(rid, prompt, sampling)]), gid
+        return e, GenRequest(rid, prompt, sampling), gid
+
+    def _dispatch(self, gen: dict[Any, dict[str, int]], wave: list[tuple[int, Any, int]]) -> None:
+        """Send a wave of submitted groups: one streaming call per engine, which yields each group's
+        result as it completes. One call per group made vLLM batch a step's groups as they trickled
+        in, one actor call at a time: measured, a third of the engine's time per step."""
+        per_engine: dict[int, dict[str, tuple[Any, int]]] = {}
+        for e, what, gid in wave:
+            if e < 0:
+                gen[what] = {"": gid}
+            else:
+                per_engine.setdefault(e, {})[what.request_id] = (what, gid)
+        for e, reqs in per_engine.items():
+            stream = (self.job.rollout.handle(e).generate_stream.options(num_returns="streaming")
+                      .remote([req for req, _ in reqs.values()]))
+            gen[stream] = {rid: gid for rid, (_, gid) in reqs.items()}
 
     # ---- the elastic rollout pool ------------------------------------------------------------
     def _active_engines(self) -> int:
@@ -714,19 +728,20 @@ class Pipeline:
             return f"{_brief(error)}; health check: {_brief(e)}"
         return None
 
-    def _engine_died(self, state, eid: int, why: str, gid: int | None = None) -> None:
-        """Take a dead engine out: kill it, requeue its groups (and ``gid``), start a replacement."""
-        again = [gid] if gid is not None else []
+    def _engine_died(self, state, eid: int, why: str, gids: list[int] | None = None) -> None:
+        """Take a dead engine out: kill it, requeue its groups (and ``gids``), start a replacement."""
+        again = list(gids or [])
         if eid in self.died:
             self._generate_again(again)
             return
         self.died.add(eid)
         pool = self.job.rollout
         handle = pool.handle(eid) if eid in pool.engine_ids else self.joining.pop(eid, None)
-        for ref, g in list(self._gen.items()):  # the run loop's dict: changed in place
-            if self.sched.inflight[g].engine == eid:
+        for ref, pending in list(self._gen.items()):  # the run loop's dict: changed in place
+            mine = [g for g in pending.values() if self.sched.inflight[g].engine == eid]
+            if mine:  # a stream carries one engine's groups
                 del self._gen[ref]
-                again.append(g)
+                again += mine
         self._generate_again(again)
         if eid in self.serving:
             self.serving.remove(eid)
@@ -1005,6 +1020,41 @@ class Pipeline:
 def _count(calls: dict[Any, list[int]]) -> int:
     """Groups in flight across calls that each carry several."""
     return sum(len(g) for g in calls.values())
+
+
+def _take(gen: dict[Any, dict[str, int]], ref) -> list[tuple[list[int], Any]]:
+    """The results ``ref`` (ready) has now: ([its gid], the GenResult) each, all of a stream's that
+    are ready (groups finished together are scored together), ending with (every gid the call
+    still owed, the error) if it failed, or if an engine's stream ended with groups unanswered."""
+    import ray
+
+    from disagg.errors import RolloutError
+
+    pending = gen[ref]
+    if not isinstance(ref, ray.ObjectRefGenerator):  # an agent runner's call: one group
+        del gen[ref]
+        try:
+            return [(list(pending.values()), ray.get(ref)[0])]
+        except Exception as e:  # noqa: BLE001 - the caller tells a dead runner or engine from an error
+            return [(list(pending.values()), e)]
+    out: list[tuple[list[int], Any]] = []
+    while True:
+        try:
+            result = ray.get(next(ref))
+        except StopIteration:
+            result = RolloutError(f"an engine's stream ended with {len(pending)} group(s) unanswered "
+                                  f"(requests {sorted(pending)[:5]})")
+        except Exception as e:  # noqa: BLE001 - as above
+            result = e
+        if isinstance(result, BaseException):
+            del gen[ref]
+            return [*out, (list(pending.values()), result)]
+        out.append(([pending.pop(result.request_id)], result))
+        if not pending:  # nothing more to come: the stream's end is not waited for
+            del gen[ref]
+            return out
+        if not ref.next_ready():
+            return out
 
 
 def _brief(e: BaseException) -> str:

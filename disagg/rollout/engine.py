@@ -67,6 +67,16 @@ def _token_versions(request_id: str, spans, num_tokens: int) -> list[int]:
     return versions
 
 
+def _sampled_logprobs(logprobs, ids: list[int]) -> list[float]:
+    """The log-prob of each sampled token. With ``logprobs=0`` and ``flat_logprobs`` vLLM keeps
+    exactly the sampled token per position, in flat lists; otherwise it is looked up by id."""
+    if not logprobs:
+        return []
+    if list(getattr(logprobs, "token_ids", ())) == ids and len(logprobs.logprobs) == len(ids):
+        return list(logprobs.logprobs)
+    return [logprobs[j][t].logprob for j, t in enumerate(ids)]
+
+
 class EngineActor:
     """A vLLM engine behind a weights-loaded gate. Wrapped with ``ray.remote`` by the pool."""
 
@@ -100,7 +110,7 @@ class EngineActor:
 
             self._coord = (coordinator if isinstance(coordinator, CoordinatorClient)
                            else CoordinatorClient(coordinator, timeout_s=rpc_timeout_s))
-        self.stats = {"requests": 0, "dropped_prompt_too_long": 0, "tokens_generated": 0, "pauses": 0,
+        self.stats = {"requests": 0, "dropped_prompt_too_long": 0, "tokens_generated": 0, "pauses": 0, "streams": 0,
                       "http_requests": 0, "http_inflight": 0, "http_waiting": 0}
         self.address = ""  # the OpenAI API's base address (http://host:port), once serving
         self._http = None  # (uvicorn server, its task)
@@ -325,6 +335,24 @@ class EngineActor:
         """Serve a list of prompts concurrently; each waits for real weights first."""
         return list(await asyncio.gather(*(self._generate_one(r) for r in requests)))
 
+    async def generate_stream(self, requests: list[GenRequest]):
+        """Serve a wave of prompts concurrently and yield each one's result as it completes.
+
+        The driver calls this once per engine per admission wave, as a Ray streaming call
+        (``num_returns="streaming"``): one call delivers a step's groups together, so vLLM
+        schedules them in one batch instead of as they trickle in one actor call at a time,
+        and finished groups still reach the driver at once (long tails). If one request
+        fails the stream ends with its error and the others are aborted.
+        """
+        self.stats["streams"] += 1
+        tasks = [asyncio.ensure_future(self._generate_one(r)) for r in requests]
+        try:
+            for done in asyncio.as_completed(tasks):
+                yield await done
+        finally:
+            for t in tasks:
+                t.cancel()
+
     async def _generate_one(self, req: GenRequest) -> GenResult:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
@@ -343,6 +371,7 @@ class EngineActor:
         params = SamplingParams(
             n=s.n, max_tokens=s.max_tokens, temperature=0.0 if s.greedy else s.temperature,
             top_p=1.0 if s.greedy else s.top_p, seed=s.seed, logprobs=0, ignore_eos=s.ignore_eos,
+            flat_logprobs=True,  # the sampled tokens' log-probs in flat lists, not a dict of objects per token
             detokenize=False,  # token ids are what the trainer and rewards use (decoded once, by the driver)
             # One output per request when it is done: a request paused across weight updates keeps
             # its tokens and continues on the new weights, and vLLM labels every token with the
@@ -365,7 +394,7 @@ class EngineActor:
         comps: dict[int, Completion] = {}
         for i, o in outputs.items():
             ids = list(o.token_ids)
-            logprobs = [o.logprobs[j][t].logprob for j, t in enumerate(ids)] if o.logprobs else []
+            logprobs = _sampled_logprobs(o.logprobs, ids)
             comps[i] = Completion(ids, logprobs, str(o.finish_reason) if o.finish_reason else "",
                                   _token_versions(req.request_id, o.weight_versions, len(ids)))
         if len(comps) != s.n:

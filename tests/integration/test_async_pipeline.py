@@ -204,6 +204,8 @@ def test_a_pipeline_at_staleness_one_pushes_while_the_trainer_trains(job, tok):
     first = _next_version(job)
     job.sync_weights(first, trainer_step=first)
     ray.get(job.trainer.rank0.set_step_delay.remote(0.3), timeout=60)
+    engine = job.rollout.engines[0]
+    streams = ray.get(engine.get_stats.remote(), timeout=60)["streams"]
     pipeline = _pipeline(job, tok)
     try:
         records = pipeline.run(6, first_step=first)
@@ -211,6 +213,9 @@ def test_a_pipeline_at_staleness_one_pushes_while_the_trainer_trains(job, tok):
         ray.get(job.trainer.rank0.set_step_delay.remote(0.0), timeout=60)
     assert [r["policy/version_trained"] for r in records] == list(range(first, first + 6))
     assert all(r["policy/staleness_max"] <= 1 for r in records)
+    # Each admission wave went to the engine as one streaming call, not one call per group.
+    calls = ray.get(engine.get_stats.remote(), timeout=60)["streams"] - streams
+    assert 0 < calls < pipeline._next_gid / 4, (calls, pipeline._next_gid)
     # Groups that finished together went to the reward workers in one call each, and every
     # group got the rewards of its own texts.
     assert pipeline.fate["reward_calls"] < pipeline._next_gid, pipeline.fate
@@ -226,6 +231,67 @@ def test_a_pipeline_at_staleness_one_pushes_while_the_trainer_trains(job, tok):
     # previous version's push was still going on.
     overlapped = [ver for ver in pushes if ver + 1 in trains and trains[ver + 1][0] < pushes[ver][1]]
     assert overlapped, (pushes, trains)
+
+
+def test_an_engine_stream_yields_each_group_as_it_completes(job, tok):
+    import ray
+
+    job.sync_weights(_next_version(job), trainer_step=0)
+    prompt = tuple([tok.bos_token_id] + tok.encode("1234=", add_special_tokens=False))
+    reqs = [GenRequest("long", prompt, SamplingSpec(max_tokens=LONG_TOKENS, greedy=True, ignore_eos=True)),
+            GenRequest("short", prompt, SamplingSpec(max_tokens=2, n=3, ignore_eos=True))]
+    stream = job.rollout.engines[0].generate_stream.options(num_returns="streaming").remote(reqs)
+    first = ray.get(next(stream), timeout=120)
+    assert (first.request_id, [len(c.response_ids) for c in first.completions]) == ("short", [2, 2, 2])
+    second = ray.get(next(stream), timeout=120)
+    assert (second.request_id, len(second.completions[0].response_ids)) == ("long", LONG_TOKENS)
+    assert all(len(c.logprobs) == len(c.response_ids) for r in (first, second) for c in r.completions)
+    with pytest.raises(StopIteration):
+        next(stream)
+
+
+def test_the_driver_takes_stream_results_by_group_and_every_owed_group_on_a_failure(ray_session):
+    import asyncio
+
+    import ray
+
+    from disagg.errors import RolloutError
+    from disagg.pipeline import _take
+    from disagg.rollout.types import GenResult
+
+    @ray.remote
+    class Streamer:
+        async def run(self, rids: list[str], fail_at: int | None, stop_at: int | None):
+            for i, rid in enumerate(rids):
+                await asyncio.sleep(0.01)
+                if i == fail_at:
+                    raise ValueError(f"request {rid} failed")
+                if i == stop_at:
+                    return
+                yield GenResult(rid, 0, [1])
+
+    actor = Streamer.remote()
+
+    def start(fail_at=None, stop_at=None):
+        stream = actor.run.options(num_returns="streaming").remote(["a", "b", "c"], fail_at, stop_at)
+        return stream, {stream: {"a": 10, "b": 11, "c": 12}}
+
+    def take_all(stream, gen):
+        out = []
+        while stream in gen:
+            ray.wait([stream], timeout=60)
+            out += [(gids, result if isinstance(result, BaseException) else result.request_id)
+                    for gids, result in _take(gen, stream)]
+        return out
+
+    stream, gen = start()
+    assert take_all(stream, gen) == [([10], "a"), ([11], "b"), ([12], "c")] and not gen
+    stream, gen = start(fail_at=1)
+    (got_a, (owed, error)) = take_all(stream, gen)
+    assert got_a == ([10], "a") and owed == [11, 12] and "request b failed" in str(error)
+    stream, gen = start(stop_at=2)
+    (_, _, (owed, error)) = take_all(stream, gen)
+    assert owed == [12] and isinstance(error, RolloutError) and "1 group(s) unanswered" in str(error)
 
 
 def _pipeline(job, tok, **kw):
