@@ -72,7 +72,8 @@ def _sampled_logprobs(logprobs, ids: list[int]) -> list[float]:
     exactly the sampled token per position, in flat lists; otherwise it is looked up by id."""
     if not logprobs:
         return []
-    if list(getattr(logprobs, "token_ids", ())) == ids and len(logprobs.logprobs) == len(ids):
+    flat_ids = getattr(logprobs, "token_ids", None)  # vLLM's FlatLogprobs
+    if flat_ids is not None and list(flat_ids) == ids and len(logprobs.logprobs) == len(ids):
         return list(logprobs.logprobs)
     return [logprobs[j][t].logprob for j, t in enumerate(ids)]
 
