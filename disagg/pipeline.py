@@ -27,7 +27,7 @@ import logging
 import re
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sized
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -1017,8 +1017,9 @@ class Pipeline:
         return rec
 
 
-def _count(calls: dict[Any, list[int]]) -> int:
-    """Groups in flight across calls that each carry several."""
+def _count(calls: dict[Any, Sized]) -> int:
+    """Groups in flight across calls that each carry several (reward calls' gid lists, engine
+    streams' request id -> gid maps)."""
     return sum(len(g) for g in calls.values())
 
 
