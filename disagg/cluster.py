@@ -74,8 +74,8 @@ def pin_process(cores: tuple[int, ...] | None, what: str) -> None:
 def bundles(cfg: Config, device: str) -> tuple[list[dict[str, float]], list[dict[str, float]]]:
     """Bundle lists of the trainer and rollout pools, custom resources included (pure)."""
     if device == "cuda":
-        tb = {"GPU": 1.0, "CPU": float(cfg.trainer.cpus_per_worker)}
-        rb = {"GPU": 1.0, "CPU": float(cfg.rollout.cpus_per_engine)}
+        tb = {"GPU": cfg.trainer.gpus_per_worker, "CPU": float(cfg.trainer.cpus_per_worker)}
+        rb = {"GPU": cfg.rollout.gpus_per_engine, "CPU": float(cfg.rollout.cpus_per_engine)}
     else:
         tb = {"CPU": float(cfg.trainer.cpus_per_worker)}
         rb = {"CPU": float(cfg.rollout.cpus_per_engine)}
@@ -172,10 +172,14 @@ def check_capacity(cfg: Config, tb: list[dict[str, float]], rb: list[dict[str, f
 
     for res in ("CPU", "GPU"):
         if need(res, tb + rb) > total(res, []):
+            hint = ""
+            if res == "GPU":
+                hint = (f" (trainer.gpus_per_worker={cfg.trainer.gpus_per_worker:g}, rollout.gpus_per_engine="
+                        f"{cfg.rollout.gpus_per_engine:g}; on one GPU, cluster=one_gpu shares it)")
             raise ConfigError(
                 f"trainer.num_workers={cfg.trainer.num_workers} + rollout.num_engines*tensor_parallel_size="
                 f"{cfg.rollout.num_engines}*{cfg.rollout.tensor_parallel_size} need {need(res, tb + rb):g} {res}, "
-                f"but the Ray cluster has {total(res, []):g}"
+                f"but the Ray cluster has {total(res, []):g}{hint}"
             )
     custom = [("trainer", cfg.cluster.trainer_resources, tb), ("rollout", cfg.cluster.rollout_resources, rb)]
     for res in sorted({r for _, asked, pool in custom if pool for r in asked}):

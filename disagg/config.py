@@ -66,6 +66,13 @@ class TrainerConfig:
     """Seed for the trainer's torch RNG (model init is the checkpoint's)."""
     cpus_per_worker: int = 1
     """CPUs in each trainer bundle."""
+    gpus_per_worker: float = 1.0
+    """GPUs in each trainer bundle (cluster.device=cuda). A fraction lets the trainer share a GPU with
+    the engines (rollout.gpus_per_engine): a one-GPU machine. NCCL puts one rank per GPU, so the
+    weight sync then goes over gloo, through host memory."""
+    compute_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of the forward and backward passes: 'bfloat16' runs them under torch.autocast (CUDA);
+    the parameters, gradients and AdamW moments stay float32 either way."""
     torch_threads: int = 1
     """torch intra-op threads in each trainer worker on CPU."""
     cpu_affinity: tuple[int, ...] | None = None
@@ -110,6 +117,15 @@ class RolloutConfig:
     """Disable CUDA graphs / compilation (fast start on CPU)."""
     cpus_per_engine: int = 1
     """CPUs in each rollout bundle."""
+    gpus_per_engine: float = 1.0
+    """GPUs in each rollout bundle (one bundle per tensor-parallel worker; cluster.device=cuda); a
+    fraction shares a GPU with the trainer, see trainer.gpus_per_worker."""
+    in_flight_at_sync: Literal["auto", "keep", "resubmit"] = "auto"
+    """What a weight sync does with requests in flight. 'keep': they freeze and continue on the new
+    weights with their KV cache, vLLM labelling each token with the version that sampled it (needs
+    a vLLM that labels tokens: 0.32 does, 0.26 does not). 'resubmit': this actor's requests stop and
+    continue on the new weights from their tokens so far, which the new version prefills again
+    (any vLLM). 'auto': keep where vLLM labels tokens, else resubmit."""
     cpu_affinity: tuple[int, ...] | None = None
     """CPU cores the engines' threads are pinned to (null = the OS decides); see trainer.cpu_affinity."""
     start_timeout_s: float = 300.0
@@ -225,11 +241,19 @@ class AlgorithmConfig:
 
 @dataclass(frozen=True)
 class TinyModelConfig:
+    """Shape of the embedded model (a Qwen2 built from this config, nothing downloaded);
+    configs/shape/*.yaml set the published Qwen2.5 shapes for runs at realistic sizes."""
     hidden_size: int = 128
     num_layers: int = 4
     num_heads: int = 2
+    num_kv_heads: int | None = None
+    """Key/value heads (grouped-query attention); null = num_heads."""
     intermediate_size: int = 256
     max_position_embeddings: int = 256
+    vocab_size: int | None = None
+    """Rows of the (tied) embedding; null = the embedded tokenizer's 106. A larger value gives the
+    parameter count and sync bytes of a real vocabulary (151936 for Qwen2.5); the extra rows are
+    tokens the tokenizer never produces."""
 
 
 @dataclass(frozen=True)
@@ -470,6 +494,8 @@ def validate(cfg: Config, mode: str = "train") -> Config:
         ("cluster.placement_timeout_s", cfg.cluster.placement_timeout_s),
         ("cluster.actor_timeout_s", cfg.cluster.actor_timeout_s),
         ("rollout.start_timeout_s", r.start_timeout_s),
+        ("trainer.gpus_per_worker", t.gpus_per_worker),
+        ("rollout.gpus_per_engine", r.gpus_per_engine),
         ("rollout.health_interval_s", r.health_interval_s),
         ("rollout.health_timeout_s", r.health_timeout_s),
     ]:
@@ -480,6 +506,15 @@ def validate(cfg: Config, mode: str = "train") -> Config:
         _check(r.temperature >= 0, f"rollout.temperature={r.temperature}: must be >= 0 (0 = greedy)")
     _check(a.group_size >= 2, f"algorithm.group_size={a.group_size}: GRPO needs >= 2 samples per prompt")
     _check(a.max_staleness >= 0, f"algorithm.max_staleness={a.max_staleness}: must be >= 0")
+    for key, v in (("trainer.gpus_per_worker", t.gpus_per_worker), ("rollout.gpus_per_engine", r.gpus_per_engine)):
+        _check(v <= 1, f"{key}={v:g}: must be <= 1 (one GPU per rank; more GPUs = more workers or engines)")
+    _check(r.gpus_per_engine == 1 or r.tensor_parallel_size == 1,
+           f"rollout.gpus_per_engine={r.gpus_per_engine:g} with rollout.tensor_parallel_size={r.tensor_parallel_size}: "
+           "tensor-parallel workers need a GPU each")
+    _check(not shares_gpus(cfg) or tr.backend != "nccl",
+           f"transport.backend='nccl' with trainer.gpus_per_worker={t.gpus_per_worker:g}, rollout.gpus_per_engine="
+           f"{r.gpus_per_engine:g}: the trainer and the engines may share a GPU, and NCCL puts one rank per GPU; "
+           "use transport.backend=gloo (or auto)")
     _check(tr.max_sync_retries >= 0, f"transport.max_sync_retries={tr.max_sync_retries}: must be >= 0")
     _check(0 < a.clip_eps < 1, f"algorithm.clip_eps={a.clip_eps}: must be in (0, 1)")
     _check(a.kl_coef >= 0, f"algorithm.kl_coef={a.kl_coef}: must be >= 0")
@@ -517,6 +552,11 @@ def validate(cfg: Config, mode: str = "train") -> Config:
     _check_cluster_placement(cfg.cluster)
     if cfg.model.path is None:
         tiny = cfg.model.tiny
+        kv = tiny.num_kv_heads or tiny.num_heads
+        _check(kv >= 1 and tiny.num_heads % kv == 0,
+               f"model.tiny.num_kv_heads={tiny.num_kv_heads}: must divide model.tiny.num_heads={tiny.num_heads}")
+        _check(tiny.vocab_size is None or tiny.vocab_size >= 106,
+               f"model.tiny.vocab_size={tiny.vocab_size}: must be >= 106 (the embedded tokenizer's size) or null")
         _check(
             tiny.hidden_size % tiny.num_heads == 0 and tiny.hidden_size // tiny.num_heads in (32, 64, 128),
             f"model.tiny.hidden_size={tiny.hidden_size} / model.tiny.num_heads={tiny.num_heads}: "
@@ -633,9 +673,14 @@ def resolve_device(cfg: Config) -> str:
         return "cpu"
 
 
+def shares_gpus(cfg: Config) -> bool:
+    """Whether trainer and engine bundles ask for fractions of a GPU (so that they may share one)."""
+    return cfg.trainer.gpus_per_worker < 1 or cfg.rollout.gpus_per_engine < 1
+
+
 def resolve_backend(cfg: Config, device: str) -> str:
     if cfg.transport.backend != "auto":
         if cfg.transport.backend == "nccl" and device != "cuda":
             raise ConfigError("transport.backend='nccl' needs cluster.device=cuda; use 'gloo' on CPU")
         return cfg.transport.backend
-    return "nccl" if device == "cuda" else "gloo"
+    return "nccl" if device == "cuda" and not shares_gpus(cfg) else "gloo"

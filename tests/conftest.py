@@ -78,3 +78,36 @@ def ray_session():
         ray.init(num_cpus=4, include_dashboard=False, log_to_driver=True)
     yield ray
     ray.shutdown()
+
+
+def long_request_across_syncs(job, prompt: list[int], num_tokens: int, max_versions: int | None = None,
+                              poll_s: float = 0.0):
+    """Generate one 2-sample request of exactly ``num_tokens`` tokens on engine 0 while the trainer
+    makes and syncs a new version after each of its steps (a large learning rate makes each
+    version's log-probs tell it apart). Filler requests keep the batch full, so decode steps are
+    slow enough for several syncs. Returns the request's ``GenResult`` and the trainer's weights
+    of every version synced meanwhile (version -> state dict), starting with the current one.
+    ``max_versions`` stops syncing after that many versions; ``poll_s`` paces the loop."""
+    import ray
+
+    from disagg.rollout.types import GenRequest, SamplingSpec
+    from disagg.samples import TrainSample
+
+    v = job.coordinator.state.latest_version() + 1
+    job.sync_weights(v, trainer_step=v)
+    states = {v: ray.get(job.trainer.rank0.full_state_dict.remote(), timeout=120)}
+    engine = job.rollout.engines[0]
+    target = engine.generate.remote([GenRequest("long", tuple(prompt), SamplingSpec(max_tokens=num_tokens, n=2,
+                                                                                    ignore_eos=True))])
+    filler = engine.generate.remote([GenRequest(f"fill{i}", tuple(prompt), SamplingSpec(max_tokens=num_tokens, n=8,
+                                                                                         ignore_eos=True))
+                                     for i in range(12)])
+    batch = [TrainSample(prompt, [5 + i, 6, 7, 8], [-1.0] * 4, 1.0 if i % 2 else -1.0, 0.0, v) for i in range(8)]
+    while not ray.wait([target], timeout=poll_s)[0] and (max_versions is None or len(states) < max_versions):
+        job.trainer.train_step(batch)
+        v += 1
+        job.sync_weights(v, trainer_step=v)
+        states[v] = ray.get(job.trainer.rank0.full_state_dict.remote(), timeout=120)
+    (result,) = ray.get(target, timeout=300)
+    ray.get(filler, timeout=300)
+    return result, states

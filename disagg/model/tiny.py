@@ -104,13 +104,15 @@ def build_model(spec: TinyModelConfig, seed: int):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     n_vocab = len(vocab())
+    if spec.vocab_size is not None and spec.vocab_size < n_vocab:
+        raise ValueError(f"model.tiny.vocab_size={spec.vocab_size}: the tokenizer has {n_vocab} tokens")
     cfg = Qwen2Config(
-        vocab_size=n_vocab,
+        vocab_size=spec.vocab_size or n_vocab,
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
         num_hidden_layers=spec.num_layers,
         num_attention_heads=spec.num_heads,
-        num_key_value_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads or spec.num_heads,
         max_position_embeddings=spec.max_position_embeddings,
         tie_word_embeddings=True,
         pad_token_id=0,

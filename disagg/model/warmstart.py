@@ -27,7 +27,7 @@ def _cache_key(cfg: Config) -> str:
     blob = json.dumps(
         {
             "format": _CACHE_FORMAT,
-            "tiny": cfg.model.tiny.__dict__,
+            "tiny": {k: v for k, v in cfg.model.tiny.__dict__.items() if v is not None},
             "warmstart": cfg.model.warmstart.__dict__,
             "seed": cfg.model.seed,
             "num_digits": cfg.data.num_digits,

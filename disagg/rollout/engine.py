@@ -7,7 +7,16 @@ load). Weight syncs go through vLLM's native weight-transfer API with the
 ``disagg`` backend (``vllm_transfer.py``); the manifest comes from the
 coordinator, and the engine acknowledges each version it then serves.
 
-This is the only module (with ``vllm_transfer``) that imports vLLM.
+What a sync does with requests in flight is ``rollout.in_flight_at_sync``:
+'keep' freezes them (vLLM's pause, keep mode) and they continue on the new
+weights, vLLM labelling each token with the version that sampled it; 'resubmit'
+aborts this actor's requests and continues each on the new weights from the
+tokens it had, so that each piece of a response comes from one version the actor
+knows. 'auto' keeps where vLLM labels tokens (``vllm_api``) and resubmits where it
+does not.
+
+vLLM is reached through this module, ``vllm_transfer``, ``openai_server`` and
+``tool_parsing``; every difference between vLLM releases lives in ``vllm_api``.
 """
 
 from __future__ import annotations
@@ -23,7 +32,8 @@ from disagg.cluster import freeze_heap, pin_process
 from disagg.config import RolloutConfig, TransportConfig
 from disagg.errors import ChecksumError, EngineDeadError, RolloutError
 from disagg.logs import await_logged, setup_logging
-from disagg.rollout.types import Completion, GenRequest, GenResult, SyncReport
+from disagg.rollout import vllm_api
+from disagg.rollout.types import Completion, GenRequest, GenResult, SamplingSpec, SyncReport
 
 log = logging.getLogger("disagg.rollout")
 
@@ -48,23 +58,6 @@ def model_tensor_specs(model_path: str) -> tuple:
                     model_path, e)
         return ()
     return tuple(TensorSpec(n, tuple(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in model.named_parameters())
-
-
-def _token_versions(request_id: str, spans, num_tokens: int) -> list[int]:
-    """The policy version of each output token, from vLLM's weight-version spans (``[start, end)``
-    of output tokens sampled by the weights labelled ``version`` at a sync)."""
-    versions: list[int] = []
-    for span in spans or []:
-        if span.start != len(versions):
-            raise RolloutError(f"request {request_id}: weight-version spans are not contiguous ({spans})")
-        if not str(span.version).isdigit():
-            raise RolloutError(f"request {request_id}: tokens sampled by weights labelled {span.version!r}, not a "
-                               "policy version (every load must set the label)")
-        versions += [int(span.version)] * (span.end - span.start)
-    if len(versions) != num_tokens:
-        raise RolloutError(f"request {request_id}: {num_tokens} tokens but weight-version spans cover "
-                           f"{len(versions)} ({spans})")
-    return versions
 
 
 def _sampled_logprobs(logprobs, ids: list[int]) -> list[float]:
@@ -97,8 +90,16 @@ class EngineActor:
         # loads without pausing vLLM (a pause and resume cost two round trips to its engine core).
         self._not_loading = asyncio.Event()
         self._not_loading.set()
-        self._active = 0  # requests of this actor admitted to vLLM and not finished
+        self._active = 0  # requests of this actor past the gate and not finished
         self._paused = False  # vLLM's scheduler paused (keep) by a sync, until one completes
+        # Requests past the gate whose add to vLLM has not returned yet: a sync waits for them, so
+        # that every request it must pause or abort is in vLLM's front end by then.
+        self._submitting = 0
+        self._submitted = asyncio.Event()
+        self._submitted.set()
+        self._mode = "keep"  # rollout.in_flight_at_sync as resolved for this vLLM (start())
+        self._live: set[str] = set()  # resubmit mode: this actor's request ids in vLLM
+        self._aborted_by_sync: set[str] = set()  # ... of those, the ones a sync aborted (to continue)
         self._engine = None
         self._coord = None
         self._registered = False
@@ -112,7 +113,7 @@ class EngineActor:
             self._coord = (coordinator if isinstance(coordinator, CoordinatorClient)
                            else CoordinatorClient(coordinator, timeout_s=rpc_timeout_s))
         self.stats = {"requests": 0, "dropped_prompt_too_long": 0, "tokens_generated": 0, "pauses": 0, "streams": 0,
-                      "http_requests": 0, "http_inflight": 0, "http_waiting": 0}
+                      "resubmits": 0, "http_requests": 0, "http_inflight": 0, "http_waiting": 0}
         self.address = ""  # the OpenAI API's base address (http://host:port), once serving
         self._http = None  # (uvicorn server, its task)
 
@@ -140,13 +141,15 @@ class EngineActor:
             disable_log_stats=True,
         )
         self._engine = AsyncLLM.from_engine_args(args)
+        self._mode = vllm_api.resolve_in_flight_mode(self.cfg.in_flight_at_sync,
+                                                     vllm_api.labels_token_versions(self._engine))
         node = ray.util.get_node_ip_address()
         if self.cfg.openai_api:
             await self._start_http(node)
         start_s = time.perf_counter() - t0
         if self.cfg.load_format == "auto":
             self.version = 1
-            await self._engine.update_weight_version("1")  # vLLM labels every token with it
+            await vllm_api.set_served_version(self._engine, 1)
             self._weights_loaded.set()
             self._report_state("READY")
         else:
@@ -159,9 +162,11 @@ class EngineActor:
                                                    model_tensor_specs(self.model_path)))
             self._registered = True
         freeze_heap(f"engine {self.engine_id}")
-        log.info("engine started in %.1fs (load_format=%s)", start_s, self.cfg.load_format)
+        log.info("engine started in %.1fs (vLLM %s, load_format=%s, in-flight requests at a sync: %s)", start_s,
+                 vllm_api.vllm_version(), self.cfg.load_format, self._mode)
         return {"engine_id": self.engine_id, "start_s": start_s, "node_ip": node, "pid": os.getpid(),
-                "address": self.address, "node_id": ray.get_runtime_context().get_node_id()}
+                "address": self.address, "node_id": ray.get_runtime_context().get_node_id(),
+                "vllm_version": vllm_api.vllm_version(), "in_flight_at_sync": self._mode}
 
     async def _start_http(self, node_ip: str) -> None:
         """Serve vLLM's OpenAI API from this actor, behind the weights-loaded gate."""
@@ -277,12 +282,19 @@ class EngineActor:
             m = Manifest.from_dict(manifest)
         self._report_state("SYNCING")
         eng = self._engine
-        # In-flight requests freeze; vLLM labels their tokens with the weight version that
-        # sampled them, so where the new version starts in a response needs no timing here.
-        # AsyncLLM.pause_generation is this call plus a 20 ms sleep that only lets outputs of
-        # aborted or drained requests arrive first (vLLM: "not required for correctness"); in
-        # keep mode nothing is aborted, and the sleep was a fifth of a long-tail step's time.
-        if not self._paused and (self._active or self.stats["http_inflight"] or eng.get_num_unfinished_requests()):
+        await self._await_submissions()
+        if self._mode == "resubmit" and self._live:
+            # Each aborted request ends with the tokens vLLM's front end holds, all sampled by the
+            # version being replaced; its task continues it on the new weights (_run_sample).
+            rids = list(self._live)
+            self._aborted_by_sync.update(rids)
+            await eng.abort(rids)
+        # Requests still in flight freeze (keep mode; in resubmit mode only the OpenAI server's,
+        # whose responses carry version bounds). AsyncLLM.pause_generation is this call plus a
+        # 20 ms sleep that only lets outputs of aborted or drained requests arrive first (vLLM:
+        # "not required for correctness"); the sleep was a fifth of a long-tail step's time.
+        if not self._paused and (self.stats["http_inflight"] or vllm_api.num_unfinished_requests(eng)
+                                 or (self._mode == "keep" and self._active)):
             await eng.engine_core.pause_scheduler_async(mode="keep", clear_cache=False)
             self._paused = True
             self.stats["pauses"] += 1
@@ -291,8 +303,10 @@ class EngineActor:
             t1 = time.perf_counter()
             await eng.update_weights(WeightTransferUpdateRequest(update_info={"manifest": m.to_dict()}))
             recv_s = time.perf_counter() - t1
-            await eng.finish_weight_update(weight_version=str(policy_version))
-            await eng.reset_prefix_cache()
+            await vllm_api.finish_weight_update(eng, policy_version)
+            if await eng.reset_prefix_cache() is False:  # blocks still held (requests frozen in keep mode)
+                log.info("version %d: vLLM kept its prefix cache (blocks in use); requests are salted by "
+                         "version, so none reuses another version's KV", policy_version)
         except BaseException as e:
             rejected = (await self.get_transfer_stats()).get("rejected") if self._engine is not None else None
             if rejected and self._weights_loaded.is_set():
@@ -328,7 +342,7 @@ class EngineActor:
         await self._engine.collective_rpc("disagg_arm_fault", args=(point, action, after))
 
     async def get_version(self) -> dict[str, Any]:
-        served = await self._engine.get_weight_version() if self._engine is not None else None
+        served = await vllm_api.served_weight_version(self._engine) if self._engine is not None else None
         return {"policy_version": self.version, "vllm_weight_version": served, "loaded": self._weights_loaded.is_set()}
 
     # ---- generation ------------------------------------------------------------------
@@ -355,60 +369,128 @@ class EngineActor:
                 t.cancel()
 
     async def _generate_one(self, req: GenRequest) -> GenResult:
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-        from vllm.sampling_params import RequestOutputKind
-
         self.stats["requests"] += 1
         if len(req.prompt_ids) >= self.cfg.max_model_len:
             self.stats["dropped_prompt_too_long"] += 1
             detail = f"prompt of {len(req.prompt_ids)} tokens >= rollout.max_model_len={self.cfg.max_model_len}"
             log.warning("dropping request %s: %s", req.request_id, detail)
             return GenResult(req.request_id, self.engine_id, list(req.prompt_ids), dropped="prompt_too_long", detail=detail)
-        # Guard against dummy weights: nothing is submitted to vLLM before a sync lands.
-        await self._wait_weights(f"first weights (request {req.request_id})")
-        min_version = self.version
         s = req.sampling
-        params = SamplingParams(
-            n=s.n, max_tokens=s.max_tokens, temperature=0.0 if s.greedy else s.temperature,
-            top_p=1.0 if s.greedy else s.top_p, seed=s.seed, logprobs=0, ignore_eos=s.ignore_eos,
-            flat_logprobs=True,  # the sampled tokens' log-probs in flat lists, not a dict of objects per token
-            detokenize=False,  # token ids are what the trainer and rewards use (decoded once, by the driver)
-            # One output per request when it is done: a request paused across weight updates keeps
-            # its tokens and continues on the new weights, and vLLM labels every token with the
-            # weight version that sampled it (the policy version each sync sets), so no per-step
-            # output has to be watched to tag tokens.
-            output_kind=RequestOutputKind.FINAL_ONLY,
-        )
-        outputs: dict = {}
-        self._active += 1  # right after the gate: a sync starting from here on pauses vLLM
         try:
-            async for out in self._engine.generate(TokensPrompt(prompt_token_ids=list(req.prompt_ids)), params,
-                                                   request_id=req.request_id):
-                outputs.update((o.index, o) for o in out.outputs)
+            if self._mode == "keep":
+                ordered = await self._generate_kept(req)
+            else:  # one vLLM request per sample: each continues alone after a sync
+                ordered = list(await asyncio.gather(*(self._run_sample(req, i) for i in range(s.n))))
         except ValueError as e:  # vLLM's own input validation
             self.stats["dropped_invalid_prompt"] = self.stats.get("dropped_invalid_prompt", 0) + 1
             log.warning("dropping request %s: %s", req.request_id, e)
             return GenResult(req.request_id, self.engine_id, list(req.prompt_ids), dropped="invalid_prompt", detail=str(e))
-        finally:
-            self._active -= 1
-        comps: dict[int, Completion] = {}
-        for i, o in outputs.items():
-            ids = list(o.token_ids)
-            logprobs = _sampled_logprobs(o.logprobs, ids)
-            comps[i] = Completion(ids, logprobs, str(o.finish_reason) if o.finish_reason else "",
-                                  _token_versions(req.request_id, o.weight_versions, len(ids)))
-        if len(comps) != s.n:
-            raise EngineDeadError(f"engine {self.engine_id} returned {len(comps)} of {s.n} samples for {req.request_id}")
-        ordered = [comps[i] for i in sorted(comps)]
         for c in ordered:
             if len(c.logprobs) != len(c.response_ids):
                 raise RolloutError(f"request {req.request_id}: {len(c.response_ids)} tokens but "
                                    f"{len(c.logprobs)} log-probs from the engine")
             self.stats["tokens_generated"] += len(c.response_ids)
-        min_version = min((v for c in ordered for v in c.token_versions), default=min_version)
-        max_version = max((v for c in ordered for v in c.token_versions), default=min_version)
-        return GenResult(req.request_id, self.engine_id, list(req.prompt_ids), ordered, min_version, max_version)
+        versions = [v for c in ordered for v in c.token_versions]
+        low = min(versions, default=self.version)
+        return GenResult(req.request_id, self.engine_id, list(req.prompt_ids), ordered, low, max(versions, default=low))
+
+    def _params(self, s: SamplingSpec, n: int, max_tokens: int, seed: int | None):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return SamplingParams(
+            n=n, max_tokens=max_tokens, temperature=0.0 if s.greedy else s.temperature,
+            top_p=1.0 if s.greedy else s.top_p, seed=seed, logprobs=0, ignore_eos=s.ignore_eos,
+            flat_logprobs=True,  # the sampled tokens' log-probs in flat lists, not a dict of objects per token
+            detokenize=False,  # token ids are what the trainer and rewards use (decoded once, by the driver)
+            # One output per request when it is done: a request paused across weight updates keeps
+            # its tokens and continues on the new weights, so no per-step output is watched.
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+
+    async def _run(self, request_id: str, prompt_ids: list[int], params, what: str):
+        """Wait for servable weights, submit, and return vLLM's final output. Returns with
+        ``self.version`` as it was when the request passed the gate (a version its tokens keep
+        in resubmit mode, where a sync aborts the request before loading another)."""
+        # Guard against dummy weights: nothing is submitted to vLLM before a sync lands.
+        await self._wait_weights(what)
+        version = self.version
+        # No await between the gate and these counts: a sync starting from here on waits for the
+        # submission, then pauses vLLM (keep) or aborts the request (resubmit).
+        self._active += 1
+        self._submitting += 1
+        self._submitted.clear()
+        try:
+            try:
+                # Salted by version: a request never reuses KV that other weights computed, even
+                # where vLLM could not empty its prefix cache at the sync.
+                handle = await vllm_api.submit(self._engine, request_id, prompt_ids, params, f"v{version}")
+            finally:
+                self._submitting -= 1
+                if not self._submitting:
+                    self._submitted.set()
+            self._live.add(request_id)
+            try:
+                return await vllm_api.final_output(self._engine, handle), version
+            finally:
+                self._live.discard(request_id)
+        finally:
+            self._active -= 1
+
+    async def _await_submissions(self) -> None:
+        await await_logged(self._submitted.wait(), what="requests being added to vLLM", log=log,
+                           timeout_s=self.cfg.weights_wait_timeout_s, interval_s=self.cfg.wait_log_interval_s)
+
+    async def _generate_kept(self, req: GenRequest) -> list[Completion]:
+        """All samples in one vLLM request; vLLM labels each token with the version that sampled it."""
+        s = req.sampling
+        out, _ = await self._run(req.request_id, list(req.prompt_ids), self._params(s, s.n, s.max_tokens, s.seed),
+                                 f"first weights (request {req.request_id})")
+        comps: dict[int, Completion] = {}
+        for o in out.outputs:
+            ids = list(o.token_ids)
+            versions = vllm_api.token_versions(req.request_id, o, len(ids))
+            if versions is None:
+                raise RolloutError(f"request {req.request_id}: vLLM {vllm_api.vllm_version()} labels no token "
+                                   "with its weight version: rollout.in_flight_at_sync must be 'resubmit'")
+            comps[o.index] = Completion(ids, _sampled_logprobs(o.logprobs, ids),
+                                        str(o.finish_reason) if o.finish_reason else "", versions)
+        if len(comps) != s.n:
+            raise EngineDeadError(f"engine {self.engine_id} returned {len(comps)} of {s.n} samples for {req.request_id}")
+        return [comps[i] for i in sorted(comps)]
+
+    async def _run_sample(self, req: GenRequest, index: int) -> Completion:
+        """Sample ``index`` of ``req`` in resubmit mode: a sync aborts it and it continues on the new
+        weights from its tokens so far (the prompt and those tokens are prefilled again, by the new
+        version). Every piece's tokens carry the version that served the piece."""
+        s = req.sampling
+        ids: list[int] = []
+        logprobs: list[float] = []
+        versions: list[int] = []
+        piece = 0
+        while True:
+            budget = s.max_tokens - len(ids)
+            if piece and (budget <= 0 or len(req.prompt_ids) + len(ids) >= self.cfg.max_model_len):
+                return Completion(ids, logprobs, "length", versions)  # it was full when the sync stopped it
+            rid = f"{req.request_id}/{index}" + (f".{piece}" if piece else "")
+            seed = None if s.seed is None else s.seed + 7919 * index + piece
+            out, version = await self._run(rid, list(req.prompt_ids) + ids, self._params(s, 1, budget, seed),
+                                           f"weights (request {rid})")
+            (o,) = out.outputs
+            new = list(o.token_ids)
+            labels = vllm_api.token_versions(rid, o, len(new))
+            if labels is not None and any(v != version for v in labels):  # vLLM's own labels, where it has them
+                raise RolloutError(f"request {rid}: served as version {version} but vLLM labels its tokens {labels}")
+            ids += new
+            logprobs += _sampled_logprobs(o.logprobs, new)
+            versions += [version] * len(new)
+            if o.finish_reason == "abort" and rid in self._aborted_by_sync:
+                self._aborted_by_sync.discard(rid)
+                self.stats["resubmits"] += 1
+                piece += 1
+                continue
+            self._aborted_by_sync.discard(rid)
+            return Completion(ids, logprobs, str(o.finish_reason) if o.finish_reason else "", versions)
 
     async def get_transfer_stats(self) -> dict[str, Any]:
         """What the receiver in the model's process counted for the last sync."""

@@ -81,10 +81,10 @@ async def start_openai_server(engine, *, model_path: str, served_model_name: str
     ``server.should_exit = True`` and await the task.
     """
     import uvicorn
-    from vllm.entrypoints.launchers.api_server.app_state import init_app_state
-    from vllm.entrypoints.launchers.app import build_app
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from disagg.rollout.vllm_api import openai_app_builders
+
+    build_app, init_app_state, make_arg_parser, FlexibleArgumentParser = openai_app_builders()
 
     argv = ["--model", model_path, "--served-model-name", served_model_name, "--disable-log-stats",
             "--disable-fastapi-docs"]

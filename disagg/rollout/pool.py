@@ -70,7 +70,7 @@ class RolloutPool:
             env["VLLM_RAY_BUNDLE_INDICES"] = ",".join(str(b) for b in bundle_indices)
         handle = ray.remote(EngineActor).options(
             num_cpus=cfg.rollout.cpus_per_engine if tp == 1 else 0,
-            num_gpus=(1 if self.device == "cuda" else 0) if tp == 1 else 0,
+            num_gpus=(cfg.rollout.gpus_per_engine if self.device == "cuda" else 0) if tp == 1 else 0,
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle_indices[0]),
             runtime_env={"env_vars": env},
             max_concurrency=1000,

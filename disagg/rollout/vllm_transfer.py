@@ -137,6 +137,12 @@ class DisaggWeightTransferEngine(WeightTransferEngine[DisaggInitInfo, DisaggUpda
             g.destroy()
         self.groups = []
 
+    @staticmethod
+    def trainer_send_weights(iterator, trainer_args) -> None:
+        """vLLM's trainer-side hook (abstract in vLLM 0.26). disagg's trainers send through
+        ``disagg.transport`` (TrainerWorker.push_weights), never through this class."""
+        raise NotImplementedError("disagg trainers send weights with disagg.transport, not the vLLM backend class")
+
 
 class DisaggWorkerExtension:
     """Methods added to vLLM's worker (``worker_extension_cls``) for disagg's own queries."""

@@ -39,7 +39,7 @@ class TrainerGroup:
         self.workers = [
             cls.options(
                 num_cpus=cfg.trainer.cpus_per_worker,
-                num_gpus=1 if device == "cuda" else 0,
+                num_gpus=cfg.trainer.gpus_per_worker if device == "cuda" else 0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle[i]),
                 name=None,
             ).remote(i, n, model_path, cfg.trainer, cfg.algorithm, cfg.transport, cfg.rollout.temperature, device,

