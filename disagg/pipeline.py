@@ -188,6 +188,13 @@ class StepRecord:
     train: dict[str, float] = field(default_factory=dict)
 
 
+def reward_calls(gids: list[int], num_workers: int, next_worker: int) -> list[tuple[int, list[int]]]:
+    """How groups that finished together go to the reward workers (pure): one call per worker, at
+    most ``num_workers`` calls, the groups dealt round-robin from worker ``next_worker`` on.
+    Returns ``(worker index, gids)`` per call."""
+    return [((next_worker + k) % num_workers, gids[k::num_workers]) for k in range(min(num_workers, len(gids)))]
+
+
 class Pipeline:
     """Drives generation, reward workers, train steps and syncs of one ``Job`` with a ``GroupScheduler``.
 
@@ -931,13 +938,11 @@ class Pipeline:
                 rewards = [self.scorer.reward(t, rows[gid], counts) for t in texts]
                 self._scored(gid, rewards, dict(counts))
             return {}
-        n = len(self.rewards)
         calls = {}
-        for k in range(min(n, len(finished))):
-            part = finished[k::n]
-            worker = self.rewards[(self._next_worker + k) % n]
-            calls[worker.score_groups.remote([(texts, rows[gid]) for gid, texts in part])] = [gid for gid, _ in part]
-        self._next_worker = (self._next_worker + len(calls)) % n
+        texts = dict(finished)
+        for worker, gids in reward_calls([gid for gid, _ in finished], len(self.rewards), self._next_worker):
+            calls[self.rewards[worker].score_groups.remote([(texts[g], rows[g]) for g in gids])] = gids
+        self._next_worker = (self._next_worker + len(calls)) % len(self.rewards)
         self.fate["reward_calls"] += len(calls)
         return calls
 

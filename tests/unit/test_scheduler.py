@@ -156,3 +156,15 @@ def test_simulated_run_loses_no_group_and_trains_nothing_too_stale(mode: str, li
     assert max(running) <= 16
     if limit == 0 and lowered is None:
         assert dropped == 0  # admission keeps the synchronous loop from producing stale groups
+
+
+@pytest.mark.parametrize("gids, workers, first, calls", [
+    ([7, 8, 9, 10, 11, 12], 2, 0, [(0, [7, 9, 11]), (1, [8, 10, 12])]),  # six together: one call per worker
+    ([7, 8, 9], 4, 3, [(3, [7]), (0, [8]), (1, [9])]),  # fewer groups than workers: a call each, round-robin on
+    ([5], 2, 1, [(1, [5])]),
+    ([], 2, 0, []),
+])
+def test_groups_that_finish_together_share_one_reward_call_per_worker(gids, workers, first, calls) -> None:
+    from disagg.pipeline import reward_calls
+
+    assert reward_calls(gids, workers, first) == calls
