@@ -6,9 +6,11 @@
 #
 # Run from the repository root. Carry, besides the vLLM pieces (unpacked here from /tmp/vc, where
 # the two calls before put them, as device-vllm's header says): .device/bundle.tar.xz (Ray, Hydra;
-# ../shared/tools/device-bundle) and .whl/ (disagg's wheel: `pip wheel --no-deps -w .whl .`; vLLM
-# finds the `disagg` weight-transfer backend through the wheel's entry point). A warm machine keeps
-# /tmp/site between calls.
+# ../shared/tools/device-bundle), .whl/ (disagg's wheel: `pip wheel --no-deps -w .whl .`; vLLM
+# finds the `disagg` weight-transfer backend through the wheel's entry point) and
+# disagg/control/_proto (the gRPC stubs `make` generated: pytest and `python -m disagg` import the
+# working tree's disagg, and the GPU image has no grpcio-tools to generate them). A warm machine
+# keeps /tmp/site between calls; it goes back 30 s after a call ends.
 set -uo pipefail
 stage=${1:?usage: gpu_e2e.sh tests | train NAME ARGS...}
 out=${OUT:-bench-out}
