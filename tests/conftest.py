@@ -111,3 +111,47 @@ def long_request_across_syncs(job, prompt: list[int], num_tokens: int, max_versi
     (result,) = ray.get(target, timeout=300)
     ray.get(filler, timeout=300)
     return result, states
+
+
+def replay_logprobs(model_path, states: dict[int, dict], prompt: list[int], response: list[int],
+                    versions: list[int], *, recompute: bool = False, device: str = "cpu"):
+    """Each response token's log-prob under the float32 weights of the version it is tagged with.
+
+    ``recompute=False`` (keep mode, vLLM's pause): decode step by step, the KV of earlier tokens
+    kept as the weights of their own steps computed it; token t comes out of the step that feeds
+    token t-1 (the prompt for t = 0). ``recompute=True`` (resubmit mode): everything before a token
+    computed again by that token's weights, one pass per run of a version.
+    """
+    import torch
+    from transformers import DynamicCache, Qwen2ForCausalLM
+
+    model = Qwen2ForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device).eval()
+
+    def load(v: int) -> None:
+        model.load_state_dict({k: t.float().to(device) for k, t in states[v].items()}, strict=False)
+        model.tie_weights()
+
+    out = torch.zeros(len(response))
+    with torch.no_grad():
+        if recompute:
+            start = 0
+            while start < len(response):
+                end = start
+                while end < len(response) and versions[end] == versions[start]:
+                    end += 1
+                load(versions[start])
+                logits = model(input_ids=torch.tensor([prompt + response[:end]], device=device)).logits[0].float()
+                lp = torch.log_softmax(logits, dim=-1).cpu()
+                for t in range(start, end):  # token t is predicted at position len(prompt) + t - 1
+                    out[t] = lp[len(prompt) + t - 1, response[t]]
+                start = end
+        else:
+            cache = DynamicCache()
+            for t, token in enumerate(response):
+                if t == 0 or versions[t] != versions[t - 1]:
+                    load(versions[t])
+                feed = prompt if t == 0 else [response[t - 1]]
+                logits = model(input_ids=torch.tensor([feed], device=device), past_key_values=cache,
+                               use_cache=True).logits[0, -1]
+                out[t] = torch.log_softmax(logits.float(), dim=-1)[token].cpu()
+    return out

@@ -17,7 +17,7 @@ import torch
 
 from disagg.rollout.types import VERSION_MAX_HEADER, VERSION_MIN_HEADER, GenRequest, SamplingSpec
 from disagg.samples import TrainSample
-from tests.conftest import long_request_across_syncs
+from tests.conftest import long_request_across_syncs, replay_logprobs
 
 pytestmark = pytest.mark.gpu
 
@@ -150,45 +150,6 @@ def test_after_a_sync_the_openai_endpoint_serves_the_trainer_weights(job, tok):
     assert ray.get(job.rollout.engines[0].get_version.remote())["policy_version"] == 2
 
 
-def _replay(states: dict[int, dict], model_path: str, prompt: list[int], response: list[int],
-            versions: list[int], recompute: bool) -> torch.Tensor:
-    """Each token's log-prob under the float32 weights of its tagged version. ``recompute``:
-    everything before it computed again by those weights (resubmit: one pass per run of a
-    version); else the KV cache of earlier tokens kept from their own versions (keep)."""
-    from transformers import DynamicCache, Qwen2ForCausalLM
-
-    model = Qwen2ForCausalLM.from_pretrained(model_path, dtype=torch.float32).cuda().eval()
-
-    def load(v: int) -> None:
-        model.load_state_dict({k: t.float().cuda() for k, t in states[v].items()}, strict=False)
-        model.tie_weights()
-
-    out = torch.zeros(len(response))
-    with torch.no_grad():
-        if recompute:
-            start = 0
-            while start < len(response):
-                end = start
-                while end < len(response) and versions[end] == versions[start]:
-                    end += 1
-                load(versions[start])
-                logits = model(input_ids=torch.tensor([prompt + response[:end]], device="cuda")).logits[0].float()
-                lp = torch.log_softmax(logits, dim=-1).cpu()
-                for t in range(start, end):  # token t is predicted at position len(prompt) + t - 1
-                    out[t] = lp[len(prompt) + t - 1, response[t]]
-                start = end
-        else:
-            cache = DynamicCache()
-            for t, token in enumerate(response):
-                if t == 0 or versions[t] != versions[t - 1]:
-                    load(versions[t])
-                feed = prompt if t == 0 else [response[t - 1]]
-                logits = model(input_ids=torch.tensor([feed], device="cuda"), past_key_values=cache,
-                               use_cache=True).logits[0, -1]
-                out[t] = torch.log_softmax(logits.float(), dim=-1)[token].cpu()
-    return out
-
-
 def test_requests_in_flight_continue_across_syncs_with_exact_token_versions(job, tok):
     """vLLM 0.26 labels no token with its weight version: the engine resubmits at each sync and
     tags every token itself. Each token's behaviour log-prob must be that of the version it is
@@ -204,7 +165,8 @@ def test_requests_in_flight_continue_across_syncs_with_exact_token_versions(job,
         assert c.token_versions == sorted(c.token_versions)
         served = sorted(set(c.token_versions))
         versions_seen |= set(served)
-        replay = _replay(states, job.model_path, prompt, c.response_ids, c.token_versions, mode == "resubmit")
+        replay = replay_logprobs(job.model_path, states, prompt, c.response_ids, c.token_versions,
+                                 recompute=mode == "resubmit", device="cuda")
         err = (replay - torch.tensor(c.logprobs)).abs()
         bad = [(t, c.token_versions[t], round(float(err[t]), 3), round(c.logprobs[t], 3))
                for t in range(len(err)) if err[t] >= BF16_LOGPROB_TOL]  # printed for the record
@@ -214,7 +176,8 @@ def test_requests_in_flight_continue_across_syncs_with_exact_token_versions(job,
         assert err.mean().item() < BF16_LOGPROB_TOL / 10
         if len(served) > 1:
             shifted = [served[max(served.index(x) - 1, 0)] for x in c.token_versions]
-            wrong = (_replay(states, job.model_path, prompt, c.response_ids, shifted, mode == "resubmit")
+            wrong = (replay_logprobs(job.model_path, states, prompt, c.response_ids, shifted,
+                                     recompute=mode == "resubmit", device="cuda")
                      - torch.tensor(c.logprobs)).abs()
             print(f"tagged with the version before: max error {wrong.max().item():.3f}")
             assert wrong.max().item() > 2 * LONG_LOGPROB_TOL

@@ -14,7 +14,7 @@ import torch
 
 from disagg.rollout.types import GenRequest, SamplingSpec
 from disagg.samples import TrainSample
-from tests.conftest import long_request_across_syncs, small_config
+from tests.conftest import long_request_across_syncs, replay_logprobs, small_config
 
 LONG_TOKENS = 200
 
@@ -43,28 +43,6 @@ def tok(job):
 
 def _next_version(job) -> int:
     return job.coordinator.state.latest_version() + 1
-
-
-def _replay_logprobs(job, states: dict[int, dict], prompt: list[int], response: list[int],
-                     versions: list[int]) -> torch.Tensor:
-    """Each response token's log-prob, decoding step by step with HF and switching to the weights
-    of the version each token is tagged with, KV cache kept: what vLLM's pause(keep) does.
-
-    Token t comes out of the step that feeds token t-1 (the prompt for t = 0); the KV of
-    earlier positions stays as the weights of their own steps computed it.
-    """
-    from transformers import DynamicCache, Qwen2ForCausalLM
-
-    model = Qwen2ForCausalLM.from_pretrained(job.model_path, dtype=torch.float32).eval()
-    cache, out = DynamicCache(), []
-    with torch.no_grad():
-        for t, token in enumerate(response):
-            model.load_state_dict(states[versions[t]], strict=False)
-            model.tie_weights()
-            feed = prompt if t == 0 else [response[t - 1]]
-            logits = model(input_ids=torch.tensor([feed]), past_key_values=cache, use_cache=True).logits[0, -1]
-            out.append(torch.log_softmax(logits.float(), dim=-1)[token])
-    return torch.stack(out)
 
 
 def test_a_push_from_a_snapshot_sends_its_version_while_the_next_step_trains(job, tok):
@@ -105,9 +83,11 @@ def test_a_push_from_a_snapshot_sends_its_version_while_the_next_step_trains(job
     c = res.completions[0]
     assert set(c.token_versions) == {v + 1}
     got = torch.tensor(c.logprobs)
-    err = (_replay_logprobs(job, {v + 1: made}, prompt, c.response_ids, [v + 1] * 8) - got).abs().max().item()
+    err = (replay_logprobs(job.model_path, {v + 1: made}, prompt, c.response_ids, [v + 1] * 8)
+           - got).abs().max().item()
     assert err < 2e-3, err
-    wrong = (_replay_logprobs(job, {v + 1: live}, prompt, c.response_ids, [v + 1] * 8) - got).abs().max().item()
+    wrong = (replay_logprobs(job.model_path, {v + 1: live}, prompt, c.response_ids, [v + 1] * 8)
+             - got).abs().max().item()
     assert wrong > 1e-2, wrong  # the live weights (after the next step) would not match
 
     timeline = ray.get(job.trainer.rank0.timeline.remote(), timeout=60)
@@ -134,13 +114,14 @@ def test_partial_rollouts_continue_across_several_weight_updates(job, tok):
         # Replaying the decode with each token's tagged version reproduces every behaviour
         # log-prob: the tokens stayed in order across every pause, nothing was re-generated,
         # and each token was produced by the weights it is tagged with.
-        replay = _replay_logprobs(job, states, prompt, c.response_ids, c.token_versions)
+        replay = replay_logprobs(job.model_path, states, prompt, c.response_ids, c.token_versions)
         err = (replay - torch.tensor(c.logprobs)).abs()
         assert err.max().item() < 2e-3, (err.max().item(), int(err.argmax()))
         # Tagging each token with the version before the update would not match: the test sees
         # the difference between versions.
         shifted = [served[max(served.index(v) - 1, 0)] for v in c.token_versions]
-        wrong = (_replay_logprobs(job, states, prompt, c.response_ids, shifted) - torch.tensor(c.logprobs)).abs()
+        wrong = (replay_logprobs(job.model_path, states, prompt, c.response_ids, shifted)
+                 - torch.tensor(c.logprobs)).abs()
         assert wrong.max().item() > 1e-2
     assert result.min_version == min(result.completions[0].token_versions)
     assert result.max_version == max(max(c.token_versions) for c in result.completions)

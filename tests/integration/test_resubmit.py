@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import long_request_across_syncs, small_config
+from tests.conftest import long_request_across_syncs, replay_logprobs, small_config
 
 LONG_TOKENS = 200
 
@@ -39,30 +39,6 @@ def tok(job):
     return AutoTokenizer.from_pretrained(job.model_path)
 
 
-def _replay_recomputed(job, states: dict[int, dict], prompt: list[int], response: list[int],
-                       versions: list[int]) -> torch.Tensor:
-    """Each response token's log-prob under the weights of its tagged version, with everything
-    before it computed again by those weights: what a resubmitted continuation gets."""
-    from transformers import Qwen2ForCausalLM
-
-    model = Qwen2ForCausalLM.from_pretrained(job.model_path, dtype=torch.float32).eval()
-    out = torch.zeros(len(response))
-    start = 0
-    with torch.no_grad():
-        while start < len(response):
-            end = start
-            while end < len(response) and versions[end] == versions[start]:
-                end += 1
-            model.load_state_dict(states[versions[start]], strict=False)
-            model.tie_weights()
-            ids = torch.tensor([prompt + response[:end]])
-            lp = torch.log_softmax(model(input_ids=ids).logits[0].float(), dim=-1)
-            for t in range(start, end):  # token t is predicted at position len(prompt) + t - 1
-                out[t] = lp[len(prompt) + t - 1, response[t]]
-            start = end
-    return out
-
-
 def test_an_engine_on_vllm_without_labels_would_resubmit(job):
     """The mode each engine runs in is reported at start (here asked for; on vLLM 0.26 chosen)."""
     assert [i["in_flight_at_sync"] for i in job.rollout.start_info] == ["resubmit"]
@@ -84,12 +60,13 @@ def test_requests_resubmitted_across_weight_updates_carry_each_token_version(job
         assert c.token_versions == sorted(c.token_versions)
         served = sorted(set(c.token_versions))
         assert len(served) >= 4, f"only {len(served)} versions served the request: {served}"
-        replay = _replay_recomputed(job, states, prompt, c.response_ids, c.token_versions)
+        replay = replay_logprobs(job.model_path, states, prompt, c.response_ids, c.token_versions, recompute=True)
         err = (replay - torch.tensor(c.logprobs)).abs()
         assert err.max().item() < 2e-3, (err.max().item(), int(err.argmax()))
         # Tagging each token with the version before would not match: the replay tells versions apart.
         shifted = [served[max(served.index(x) - 1, 0)] for x in c.token_versions]
-        wrong = (_replay_recomputed(job, states, prompt, c.response_ids, shifted) - torch.tensor(c.logprobs)).abs()
+        wrong = (replay_logprobs(job.model_path, states, prompt, c.response_ids, shifted, recompute=True)
+                 - torch.tensor(c.logprobs)).abs()
         assert wrong.max().item() > 1e-2
     assert result.min_version == min(min(c.token_versions) for c in result.completions)
     assert result.max_version == max(max(c.token_versions) for c in result.completions)
