@@ -251,7 +251,7 @@ class TinyModelConfig:
     intermediate_size: int = 256
     max_position_embeddings: int = 256
     vocab_size: int | None = None
-    """Rows of the (tied) embedding; null = the embedded tokenizer's 106. A larger value gives the
+    """Rows of the (tied) embedding; null = the embedded tokenizer's size. A larger value gives the
     parameter count and sync bytes of a real vocabulary (151936 for Qwen2.5); the extra rows are
     tokens the tokenizer never produces."""
 
@@ -555,8 +555,11 @@ def validate(cfg: Config, mode: str = "train") -> Config:
         kv = tiny.num_kv_heads or tiny.num_heads
         _check(kv >= 1 and tiny.num_heads % kv == 0,
                f"model.tiny.num_kv_heads={tiny.num_kv_heads}: must divide model.tiny.num_heads={tiny.num_heads}")
-        _check(tiny.vocab_size is None or tiny.vocab_size >= 106,
-               f"model.tiny.vocab_size={tiny.vocab_size}: must be >= 106 (the embedded tokenizer's size) or null")
+        from disagg.model.tiny import vocab
+
+        n_vocab = len(vocab())
+        _check(tiny.vocab_size is None or tiny.vocab_size >= n_vocab,
+               f"model.tiny.vocab_size={tiny.vocab_size}: must be >= {n_vocab} (the embedded tokenizer's size) or null")
         _check(
             tiny.hidden_size % tiny.num_heads == 0 and tiny.hidden_size // tiny.num_heads in (32, 64, 128),
             f"model.tiny.hidden_size={tiny.hidden_size} / model.tiny.num_heads={tiny.num_heads}: "
