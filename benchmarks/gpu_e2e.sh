@@ -3,6 +3,11 @@
 #
 #   bash benchmarks/gpu_e2e.sh tests            # tests/gpu (pytest -m gpu), log in $OUT/gpu_tests.log
 #   bash benchmarks/gpu_e2e.sh train NAME ARGS  # `disagg train ARGS`; metrics, log and plot in $OUT/NAME.*
+#   bash benchmarks/gpu_e2e.sh queue FILE       # each line `NAME ARGS` run as `train`, one after another,
+#                                               # detached (setsid), so the runs outlast the 10-minute call
+#   bash benchmarks/gpu_e2e.sh poll SECONDS     # wait for the queue (at most SECONDS), copy the files of
+#                                               # finished runs to $OUT; call it again at once to keep the
+#                                               # machine warm (it goes back 30 s after a call ends)
 #
 # Run from the repository root. Carry, besides the vLLM pieces (unpacked here from /tmp/vc, where
 # the two calls before put them, as device-vllm's header says): .device/bundle.tar.xz (Ray, Hydra;
@@ -44,5 +49,31 @@ case "$stage" in
       [ -f "/tmp/runs/$name/$f" ] && cp "/tmp/runs/$name/$f" "$out/$name.$f"
     done
     exit "$rc" ;;
+  queue)
+    q=/tmp/gpu_queue
+    rm -rf "$q"; mkdir -p "$q/out" "$q/repo"
+    cp "${2:?queue needs a FILE of lines NAME ARGS}" "$q/runs.txt"
+    : >"$q/done.txt"
+    # the runs use a snapshot of this tree: a later call brings the working tree as it is then
+    tar --exclude=./.device --exclude=./.git -cf - . | tar -xf - -C "$q/repo"
+    (cd "$q/repo" && setsid nohup bash -c "while read -r name args; do [ -n \"\$name\" ] || continue; \
+      OUT=$q/out bash benchmarks/gpu_e2e.sh train \$name \$args >/dev/null 2>&1; \
+      echo \"\$name rc=\$?\" >>$q/done.txt; done <$q/runs.txt; echo all >>$q/done.txt" \
+      >"$q/queue.log" 2>&1 </dev/null &)
+    echo "queued $(grep -c . "$q/runs.txt") runs" ;;
+  poll)
+    q=/tmp/gpu_queue
+    end=$((SECONDS + ${2:?poll needs SECONDS}))
+    while [ $SECONDS -lt $end ] && ! grep -qx all "$q/done.txt"; do sleep 10; done
+    cat "$q/done.txt"
+    for f in "$q"/out/*.log; do [ -f "$f" ] && { echo "== $f"; tail -n 3 "$f"; }; done
+    n=0   # at most 8 files come back from a call: metrics first, then logs and plots
+    for f in $(ls "$q"/out/*.metrics.jsonl "$q"/out/*.log "$q"/out/*.reward.png 2>/dev/null); do
+      name=$(basename "$f"); name=${name%.metrics.jsonl}; name=${name%.log}; name=${name%.reward.png}
+      grep -q "^$name rc=" "$q/done.txt" || continue
+      [ -e "$q/sent.$(basename "$f")" ] && continue
+      [ $n -lt 8 ] || break
+      cp "$f" "$out/" && touch "$q/sent.$(basename "$f")" && n=$((n + 1))
+    done ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac

@@ -1,5 +1,3 @@
-import sys
+from disagg.cli import run
 
-from disagg.cli import main
-
-sys.exit(main())
+run()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 USAGE = """usage: disagg <command> [args]
 
@@ -85,5 +86,47 @@ def main(argv: list[str] | None = None) -> int:
     return 2
 
 
+def run() -> NoReturn:
+    """The ``disagg`` program (its console script and ``python -m disagg``): ``main``, then
+    ``exit_quietly``. Code that calls ``main`` in-process (tests) keeps its interpreter."""
+    import traceback
+
+    try:
+        rc = main()
+    except SystemExit as e:  # hydra and argparse exit this way
+        if isinstance(e.code, int) or e.code is None:
+            rc = e.code or 0
+        else:
+            print(e.code, file=sys.stderr)
+            rc = 1
+    except KeyboardInterrupt:
+        print("disagg: interrupted", file=sys.stderr)
+        rc = 130
+    except BaseException:
+        traceback.print_exc()
+        rc = 1
+    exit_quietly(rc)
+
+
+def exit_quietly(rc: int) -> NoReturn:
+    """End the process with ``rc`` after Python's exit handlers (``atexit``: Ray's shutdown,
+    logging, temporary directories), but without the interpreter's teardown of extension
+    modules. That teardown is where Triton's nanobind bindings (imported with vLLM) report
+    hundreds of "leaked function" lines on stderr, which buried a run's summary and its
+    ``run directory:`` line; nothing of disagg's is left to flush by then."""
+    import atexit
+    import os
+
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(rc)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

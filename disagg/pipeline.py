@@ -348,6 +348,8 @@ class Pipeline:
         t_last = time.perf_counter()
         t_idle_from: float | None = time.perf_counter()  # trainer free (step done, weights pushed) since
         idle_s = 0.0
+        t_trained: float | None = None  # the last train step's end, until the trainer is free again
+        sync_wait_s = 0.0  # the trainer blocked on pushing its weights (timing/trainer_sync_wait_s)
         gen_tokens = 0
         latencies: list[float] = []  # generation time of the groups finished since the last step
         stall_limit = self.cfg.cluster.actor_timeout_s
@@ -392,6 +394,9 @@ class Pipeline:
                     trainer_free = False
                 if trainer_free and t_idle_from is None:
                     t_idle_from = time.perf_counter()
+                    if t_trained is not None:
+                        sync_wait_s += t_idle_from - t_trained
+                        t_trained = None
                 ckpt_wanted = self.checkpoint is not None and self.stopped is None and state.checkpoint_wanted()
                 if ckpt_wanted and trainer_free and pending_sync is None and queued is None:
                     # A consistent point: the trainer idle, every engine on its weights.
@@ -497,7 +502,7 @@ class Pipeline:
                 if train_refs is not None and all(r in ready or _is_done(r) for r in train_refs):
                     assert record is not None
                     record.train = self.job.trainer.summarise(ray.get(train_refs))
-                    record.t_train_done = time.perf_counter()
+                    record.t_train_done = t_trained = time.perf_counter()
                     seen_done.difference_update(train_refs)
                     train_refs = None
                     version += 1
@@ -523,6 +528,7 @@ class Pipeline:
                         continue
                     now = time.perf_counter()
                     rec = self._record(done, sync, now - t_last, idle_s, gen_tokens, done.limit)
+                    rec["timing/trainer_sync_wait_s"] = sync_wait_s
                     rec["rollout/group_seconds_max"] = max(latencies, default=0.0)
                     rec["rollout/group_seconds_mean"] = sum(latencies) / max(len(latencies), 1)
                     step_s = max(now - t_last, 1e-9)
@@ -531,7 +537,7 @@ class Pipeline:
                                         engine_load={i: (load[i], engine_tokens.get(i, 0) / step_s) for i in load})
                     state.publish_metrics(done.step, rec)
                     self.last_done = (done.step, sync.policy_version)
-                    t_last, idle_s, gen_tokens, latencies = now, 0.0, 0, []
+                    t_last, idle_s, sync_wait_s, gen_tokens, latencies = now, 0.0, 0.0, 0, []
                     engine_tokens = {eid: 0 for eid in load}
                     self.records.append(rec)
                     if self.metrics is not None:

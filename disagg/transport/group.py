@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import socket
 import threading
 import time
@@ -56,6 +57,8 @@ _NCCL_WATCHDOG_MARGIN_S = 60.0
 # ranks whose stamp went stale (a dead peer), which gloo and NCCL errors do not.
 _HEARTBEAT_S = 0.5
 _STALE_S = 3 * _HEARTBEAT_S
+# Rank 0 retries hosting its store on a port in use for this long before it fails.
+_BIND_RETRY_S = 5.0
 # Longest nap between completion polls of an NCCL op.
 _POLL_MAX_S = 5e-5
 
@@ -79,12 +82,60 @@ class _Heartbeat(threading.Thread):
         self._stop.set()
 
 
+# Ports handed out by this process: two groups set up back to back never get the same one.
+_HANDED_PORTS: set[int] = set()
+# Where a store's port is picked: above Ray's worker ports (10002-19999 by default) and outside the
+# kernel's ephemeral range, which outgoing connections draw from (see pick_free_port).
+_STORE_PORT_FLOOR = 20000
+
+
+def _ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range for the local port of outgoing connections (Linux; its default elsewhere)."""
+    try:
+        lo, hi = (int(x) for x in open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def _port_candidates() -> list[int]:
+    lo, hi = _ephemeral_ports()
+    ports = [p for p in range(_STORE_PORT_FLOOR, 65536) if not lo <= p <= hi and p not in _HANDED_PORTS]
+    random.shuffle(ports)
+    return ports
+
+
 def pick_free_port(host: str) -> int:
-    """A TCP port free on ``host`` right now, for rank 0 to host the store on."""
+    """A TCP port free on ``host`` right now, for rank 0 to host the store on.
+
+    The port is taken outside the kernel's ephemeral range. Inside it, a peer that polls
+    ``host:port`` before the store is up (``_await_store``) can be given that very port as its
+    own local port and connect to itself (TCP simultaneous open), which holds the port: rank 0
+    then failed with EADDRINUSE (seen on an H200 machine, 2026-11-24). Ray's agents take
+    ephemeral ports too. Falls back to any free port when the range leaves none.
+    """
     family, kind, _, _, addr = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+    for port in _port_candidates()[:64]:
+        with socket.socket(family, kind) as s:
+            try:
+                s.bind((addr[0], port, *addr[2:]))
+            except OSError:
+                continue
+        _HANDED_PORTS.add(port)
+        return port
     with socket.socket(family, kind) as s:
         s.bind(addr)
-        return int(s.getsockname()[1])
+        port = int(s.getsockname()[1])
+    _HANDED_PORTS.add(port)
+    return port
+
+
+def _self_connected(sock: socket.socket) -> bool:
+    """Whether ``sock`` is connected to itself (its local address is its peer's), not to a listener."""
+    try:
+        return sock.getsockname()[:2] == sock.getpeername()[:2]
+    except OSError:
+        return False
 
 
 def _brief(e: BaseException) -> str:
@@ -299,12 +350,20 @@ def create_group(*, host: str, port: int, rank: int, world_size: int, backend: s
     deadline = time.monotonic() + timeout_s
     if rank != 0:
         _await_store(host, port, deadline, timeout_s, where)
-    try:
-        store = TCPStore(host, port, world_size, is_master=(rank == 0), wait_for_workers=False,
-                         timeout=timedelta(seconds=timeout_s))
-    except RuntimeError as e:
-        role = "could not host the store" if rank == 0 else "could not reach the store hosted by rank 0 (missing ranks: [0])"
-        raise TransportError(f"{where}: {role} within {timeout_s:.1f} s: {_brief(e)}") from e
+    store = None
+    bind_until = min(deadline, time.monotonic() + _BIND_RETRY_S)
+    while store is None:
+        try:
+            store = TCPStore(host, port, world_size, is_master=(rank == 0), wait_for_workers=False,
+                             timeout=timedelta(seconds=timeout_s))
+        except RuntimeError as e:
+            if rank == 0 and "EADDRINUSE" in str(e) and time.monotonic() < bind_until:
+                time.sleep(0.2)  # a peer's probe may hold the port for a moment (pick_free_port)
+                continue
+            if rank == 0:
+                raise TransportError(f"{where}: could not host the store: {_brief(e)}") from e
+            raise TransportError(f"{where}: could not reach the store hosted by rank 0 within {timeout_s:.1f} s "
+                                 f"(missing ranks: [0]): {_brief(e)}") from e
     prefix = PrefixStore(group_name, store)
     _join(prefix, rank, world_size, deadline, timeout_s, where)
 
@@ -345,12 +404,16 @@ def _await_store(host: str, port: int, deadline: float, timeout_s: float, where:
     while True:
         remaining = deadline - time.monotonic()
         try:
-            with socket.create_connection((host, port), timeout=max(min(remaining, 1.0), 1e-3)):
-                return
+            with socket.create_connection((host, port), timeout=max(min(remaining, 1.0), 1e-3)) as sock:
+                if not _self_connected(sock):
+                    return
+            # the kernel gave this probe the store's port as its own: not rank 0's store
+            error: object = "no store listening"
         except OSError as e:
-            if deadline - time.monotonic() <= 0:
-                raise TransportError(f"{where}: could not reach the store hosted by rank 0 within "
-                                     f"{timeout_s:.1f} s (missing ranks: [0]): {e}") from e
+            error = e
+        if deadline - time.monotonic() <= 0:
+            raise TransportError(f"{where}: could not reach the store hosted by rank 0 within "
+                                 f"{timeout_s:.1f} s (missing ranks: [0]): {error}")
         if time.monotonic() >= next_log:
             log.warning("[transport] %s: still waiting for rank 0 to host the store", where)
             next_log = time.monotonic() + _PROGRESS_LOG_S

@@ -277,6 +277,8 @@ def test_max_staleness_zero_reproduces_the_synchronous_pattern(job, tok):
         assert r["policy/staleness_max"] == 0 and r["samples/dropped_stale"] == 0
         assert r["samples/trained"] == per_step
         assert r["rollout/inflight_groups"] == 0 and r["rollout/ready_groups"] == 0  # nothing ran ahead
+        # The trainer waited for its push: its wait spans the trainer's own send of the version.
+        assert r["timing/trainer_sync_wait_s"] >= r["weight_sync/send_s"] > 0, r
 
 
 def test_staleness_is_bounded_with_a_slow_trainer_and_changed_at_run_time_over_grpc(job, tok):
