@@ -115,7 +115,7 @@ class EngineActor:
         self.stats = {"requests": 0, "dropped_prompt_too_long": 0, "tokens_generated": 0, "pauses": 0, "streams": 0,
                       "resubmits": 0, "http_requests": 0, "http_inflight": 0, "http_waiting": 0}
         self.address = ""  # the OpenAI API's base address (http://host:port), once serving
-        self._http = None  # (uvicorn server, its task)
+        self._http = None  # (uvicorn server, its task, its WeightsGate)
 
     # ---- lifecycle -------------------------------------------------------------------
     async def start(self) -> dict[str, Any]:
@@ -174,11 +174,13 @@ class EngineActor:
 
         host = node_ip if self.cfg.api_host == "node" else self.cfg.api_host
         port = self.cfg.api_port_base + self.engine_id if self.cfg.api_port_base else 0
-        server, task, self.address = await start_openai_server(
+        # Ready (``/health``) while real weights are loaded: a sync in progress keeps it ready (its
+        # requests wait at the gate a moment), a failed one that leaves part of a version does not.
+        server, task, self.address, gate = await start_openai_server(
             self._engine, model_path=self.model_path, served_model_name=self.cfg.served_model_name, host=host,
             port=port, tool_call_parser=self.cfg.tool_call_parser, wait_weights=self._wait_weights,
-            version=lambda: self.version, counters=self.stats)
-        self._http = (server, task)
+            ready=self._weights_loaded.is_set, version=lambda: self.version, counters=self.stats)
+        self._http = (server, task, gate)
 
     async def _wait_weights(self, what: str) -> None:
         """Block until real weights are loaded (the guard against serving dummy weights) and no sync
@@ -193,7 +195,7 @@ class EngineActor:
 
     async def shutdown(self) -> None:
         if self._http is not None:
-            server, task = self._http
+            server, task, _ = self._http
             server.should_exit = True
             await asyncio.wait({task}, timeout=5.0)
             self._http = None
@@ -510,3 +512,9 @@ class EngineActor:
     async def get_address(self) -> str:
         """The OpenAI API base address (``http://host:port``; append ``/v1``), empty if not serving."""
         return self.address
+
+    async def get_http_routes(self) -> list[dict[str, Any]]:
+        """Every route of the OpenAI server as built and what its gate does with each (``openai_server``)."""
+        if self._http is None:
+            raise RolloutError(f"engine {self.engine_id} serves no OpenAI API (rollout.openai_api=false)")
+        return self._http[2].routes()

@@ -2,19 +2,31 @@
 
 The app is vLLM's (``build_app`` + ``init_app_state`` over the actor's AsyncLLM),
 served by uvicorn on the actor's event loop; disagg adds one ASGI layer in front
-of it, ``WeightsGate``:
+of it, ``WeightsGate``, which decides per route (the route of vLLM's router that
+a request matches, and its method; ``route_access``):
 
-- every POST under ``/v1/`` waits for the engine's weights-loaded event first, so
-  no client is ever answered by dummy weights (a request that waits longer than
-  ``rollout.weights_wait_timeout_s`` gets a 503 naming the wait);
-- each response carries ``x-disagg-policy-version-min`` / ``-max``: the version
-  the engine served when the request passed the gate and when the response
-  started. Every generated token's version lies between them (a request paused
-  across weight updates spans several), so staleness measured from ``-min`` is
-  never under-estimated;
-- requests in flight are counted for the actor's stats.
+- **allow**: listing models, version, metrics, tokenize/detokenize pass at once,
+  weights or not (they never run the model);
+- **ready**: ``/health`` and SageMaker's ``/ping`` answer 503 until real weights
+  are loaded, then go to vLLM's health check, so a load balancer sends no traffic
+  to an engine that cannot serve; ``/live`` (the gate's own) is 200 while the
+  process runs;
+- **refuse**: routes that change the engine itself (pause, sleep, weight updates,
+  collective RPCs, cache resets, scaling, profiling, LoRA loading) get a 403 naming
+  the route: disagg drives its engines, a client of the public server never does;
+- **gate**, every other route, including any a future vLLM adds and any path no
+  route matches: waits for the engine's weights-loaded event, so no client is ever
+  answered by dummy weights (a request that waits longer than
+  ``rollout.weights_wait_timeout_s`` gets a 503 naming the wait). Each gated
+  response carries ``x-disagg-policy-version-min`` / ``-max``: the version the
+  engine served when the request passed the gate and when the response started.
+  Every generated token's version lies between them (a request paused across
+  weight updates spans several), so staleness measured from ``-min`` is never
+  under-estimated. Gated requests in flight are counted for the actor's stats.
 
-Only the engine actor imports this module (it imports vLLM, FastAPI, uvicorn).
+The gate must never let a route it has not classified through before the first
+sync: a new route waits (deny by default). Only the engine actor imports this
+module's server (it imports vLLM, FastAPI, uvicorn); ``route_access`` is pure.
 """
 
 from __future__ import annotations
@@ -24,33 +36,128 @@ import contextlib
 import json
 import logging
 import socket
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 from disagg.rollout.types import VERSION_MAX_HEADER, VERSION_MIN_HEADER
 
 log = logging.getLogger("disagg.rollout")
 
+Access = Literal["allow", "ready", "refuse", "gate"]
+
+LIVENESS_PATH = "/live"
+"""The gate's own route: 200 while the process runs, weights or not (vLLM has no such route)."""
+
+ALLOWED_BEFORE_WEIGHTS = frozenset({
+    ("GET", "/v1/models"), ("GET", "/version"), ("GET", "/metrics"), ("GET", "/load"),
+    ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/tokenizer_info"),
+})
+"""(method, route path) that never run the model: served before real weights are loaded.
+``/metrics`` is both a route and a mount (Prometheus' app); ``/load`` is vLLM's in-flight count."""
+
+READINESS_PATHS = frozenset({"/health", "/ping"})
+"""Readiness checks (vLLM's and SageMaker's): 503 until real weights are loaded, any method."""
+
+ENGINE_CONTROL_PATHS = frozenset({
+    # elastic expert parallelism
+    "/scale_elastic_ep", "/is_scaling_elastic_ep",
+    # RL weight transfer and scheduling (VLLM_SERVER_DEV_MODE)
+    "/pause", "/resume", "/is_paused", "/abort_requests", "/inference/v1/abort_requests",
+    "/init_weight_transfer_engine", "/shutdown_weight_transfer_engine", "/start_weight_update",
+    "/start_draft_weight_update", "/update_weights", "/finish_weight_update", "/update_weight_version",
+    "/weight_checker", "/weight_info", "/get_world_size",
+    # development routes (VLLM_SERVER_DEV_MODE)
+    "/collective_rpc", "/reset_prefix_cache", "/reset_mm_cache", "/reset_encoder_cache", "/sleep", "/wake_up",
+    "/is_sleeping", "/release_kv_cache_memory", "/server_info",
+    # profiler, runtime LoRA (VLLM_ALLOW_RUNTIME_LORA_UPDATING; /adapters is SageMaker's), fault tolerance
+    "/start_profile", "/stop_profile", "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/adapters",
+    "/adapters/{adapter_name}",
+    "/fault_tolerance/apply", "/fault_tolerance/status",
+})
+"""Route paths that control the engine: refused (403) on the public server, any method."""
+
+
+def route_access(method: str, route_path: str | None) -> Access:
+    """What the gate does with ``method`` on the route whose path template is ``route_path``
+    (None: no route matched the request). Anything not listed above waits for weights."""
+    method = "GET" if method == "HEAD" else method
+    if route_path in ENGINE_CONTROL_PATHS:
+        return "refuse"
+    if route_path in READINESS_PATHS:
+        return "ready"
+    if (method, route_path) in ALLOWED_BEFORE_WEIGHTS:
+        return "allow"
+    return "gate"
+
+
+def matched_route(routes, scope) -> str | None:
+    """The path template of the route a Starlette router dispatches ``scope`` to: the first
+    route that matches fully, else the first whose path matches but not its method (a 405)."""
+    from starlette.routing import Match
+
+    partial = None
+    for route in routes:
+        match, _ = route.matches(scope)
+        if match == Match.FULL:
+            return getattr(route, "path", None)
+        if match == Match.PARTIAL and partial is None:
+            partial = getattr(route, "path", None)
+    return partial
 
 
 class WeightsGate:
-    """ASGI middleware: gate on real weights, tag responses with policy versions, count in-flight."""
+    """ASGI middleware: decide per route (``route_access``), hold gated routes on real weights,
+    tag their responses with policy versions, count them in flight."""
 
-    def __init__(self, app, *, wait_weights: Callable[[str], Any], version: Callable[[], int],
-                 counters: dict[str, int]) -> None:
-        self.app, self.wait_weights, self.version, self.counters = app, wait_weights, version, counters
+    def __init__(self, app, *, wait_weights: Callable[[str], Any], ready: Callable[[], bool],
+                 version: Callable[[], int], counters: dict[str, int]) -> None:
+        self.app, self.wait_weights, self.ready = app, wait_weights, ready
+        self.version, self.counters = version, counters
+
+    def routes(self) -> list[dict[str, Any]]:
+        """Every route of the app as built, and what the gate does with each of its methods."""
+        out = [{"path": LIVENESS_PATH, "kind": "liveness", "methods": ["GET"], "access": {"GET": "allow"}}]
+        for route in self.app.routes:
+            kind = type(route).__name__
+            methods = (["WEBSOCKET"] if "WebSocket" in kind
+                       else sorted(getattr(route, "methods", None) or ["GET"]))  # a Mount: any method
+            path = getattr(route, "path", None)
+            out.append({"path": path, "kind": kind, "methods": methods,
+                        "access": {m: route_access(m, path) for m in methods}})
+        return out
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope.get("method") != "POST" or not scope["path"].startswith("/v1/"):
+        if scope["type"] not in ("http", "websocket"):
             await self.app(scope, receive, send)
             return
+        if scope["type"] == "http" and scope["path"] == LIVENESS_PATH:
+            await _send_json(send, 200, {"status": "alive"})
+            return
+        method = scope["method"] if scope["type"] == "http" else "WEBSOCKET"
+        route = matched_route(self.app.routes, scope)
+        access = route_access(method, route)
+        what = f"{method} {scope['path']}"
+        if access == "refuse":
+            log.warning("refused %s: route %s controls the engine", what, route)
+            await _deny(scope, send, 403, "Forbidden",
+                        f"{what} is refused on this engine's public server: route {route} controls the engine "
+                        "(weights, pausing, caches, scaling, profiling), which disagg alone drives")
+            return
+        if access == "ready" and not self.ready():
+            await _deny(scope, send, 503, "ServiceUnavailable",
+                        f"{what}: not ready, this engine has no real weights yet (it is ready after its first "
+                        f"weight sync; {LIVENESS_PATH} answers whether the process is up)")
+            return
+        if access != "gate":
+            await self.app(scope, receive, send)
+            return
+        await self._gated(scope, receive, send, what)
+
+    async def _gated(self, scope, receive, send, what: str) -> None:
         self.counters["http_waiting"] += 1
         try:
-            await self.wait_weights(f"first weights (HTTP {scope['path']})")
+            await self.wait_weights(f"first weights ({what})")
         except TimeoutError as e:
-            body = json.dumps({"error": {"message": str(e), "type": "ServiceUnavailable", "code": 503}}).encode()
-            await send({"type": "http.response.start", "status": 503,
-                        "headers": [(b"content-type", b"application/json")]})
-            await send({"type": "http.response.body", "body": body})
+            await _deny(scope, send, 503, "ServiceUnavailable", str(e))
             return
         finally:
             self.counters["http_waiting"] -= 1
@@ -72,12 +179,26 @@ class WeightsGate:
             self.counters["http_inflight"] -= 1
 
 
+async def _send_json(send, status: int, payload: dict) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json")]})
+    await send({"type": "http.response.body", "body": json.dumps(payload).encode()})
+
+
+async def _deny(scope, send, status: int, error_type: str, message: str) -> None:
+    """An OpenAI-style error; a WebSocket is closed before it is accepted (the server answers 403)."""
+    if scope["type"] == "websocket":
+        await send({"type": "websocket.close", "code": 1008 if status == 403 else 1013, "reason": message[:120]})
+        return
+    await _send_json(send, status, {"error": {"message": message, "type": error_type, "code": status}})
+
+
 async def start_openai_server(engine, *, model_path: str, served_model_name: str, host: str, port: int,
                               tool_call_parser: str | None, wait_weights: Callable[[str], Any],
-                              version: Callable[[], int], counters: dict[str, int]):
-    """Serve vLLM's OpenAI app for ``engine`` on ``host:port`` (0 = a free port).
+                              ready: Callable[[], bool], version: Callable[[], int], counters: dict[str, int]):
+    """Serve vLLM's OpenAI app for ``engine`` on ``host:port`` (0 = a free port), behind ``WeightsGate``.
 
-    Returns ``(server, serve_task, "http://host:port")``; stop with
+    Returns ``(server, serve_task, "http://host:port", gate)``; stop with
     ``server.should_exit = True`` and await the task.
     """
     import uvicorn
@@ -94,13 +215,13 @@ async def start_openai_server(engine, *, model_path: str, served_model_name: str
     tasks = await engine.get_supported_tasks()
     app = build_app(args, tasks, engine.model_config)
     await init_app_state(engine, app.state, args, tasks)
-    gated = WeightsGate(app, wait_weights=wait_weights, version=version, counters=counters)
+    gate = WeightsGate(app, wait_weights=wait_weights, ready=ready, version=version, counters=counters)
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     bound_port = sock.getsockname()[1]
-    config = uvicorn.Config(gated, log_level="warning", lifespan="off", access_log=False,
+    config = uvicorn.Config(gate, log_level="warning", lifespan="off", access_log=False,
                             timeout_keep_alive=30)
     server = uvicorn.Server(config)
     server.capture_signals = contextlib.nullcontext  # the actor owns SIGINT/SIGTERM, not uvicorn
@@ -115,4 +236,4 @@ async def start_openai_server(engine, *, model_path: str, served_model_name: str
         raise RuntimeError(f"OpenAI server on {host}:{bound_port} did not start within 10 s")
     address = f"http://{host}:{bound_port}"
     log.info("OpenAI API at %s/v1 (model %r, tool parser %s)", address, served_model_name, tool_call_parser)
-    return server, task, address
+    return server, task, address, gate
