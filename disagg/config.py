@@ -314,6 +314,10 @@ class RewardConfig:
     """CPUs each reward worker reserves from Ray (0: they share the machine)."""
     latency_s: float = 0.0
     """Extra seconds per scored sample (simulates a slow reward: benchmarks)."""
+    require_sandbox_isolation: bool = False
+    """Fail at start-up (driver, reward workers, agent runners) where the code sandbox that runs
+    model code (the code_tests reward, the agent's python tool) cannot isolate the filesystem
+    (neither bubblewrap nor mount namespaces work); false: run it there anyway, warned once."""
 
 
 @dataclass(frozen=True)

@@ -30,5 +30,10 @@ class ControlError(DisaggError):
     """A control-plane (gRPC) call failed; the message names the call and peer."""
 
 
+class SandboxError(DisaggError):
+    """The code sandbox cannot isolate as asked: a filesystem isolation backend is missing or
+    failed on this machine; the message says why."""
+
+
 class ChecksumError(TransportError):
     """A received bucket's checksum differs from the sender's; the version was not loaded."""

@@ -22,6 +22,7 @@ from disagg.rollout.pool import RolloutPool
 from disagg.rollout.types import GenRequest, SamplingSpec
 from disagg.scoring import Scorer
 from disagg.tasks.base import get_reward
+from disagg.tasks.sandbox import require_filesystem_isolation
 from disagg.train import encode_prompt, make_source
 
 log = logging.getLogger("disagg.generate")
@@ -37,6 +38,8 @@ def run_generate(cfg: Config, run_dir: Path) -> dict[str, float]:
     model_path = prepare_model(cfg)
     tok = AutoTokenizer.from_pretrained(model_path)
     decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
+    if cfg.reward.require_sandbox_isolation:
+        require_filesystem_isolation()
     scorer = Scorer(get_reward(cfg.reward.name, cfg.reward.path), decode, cfg.algorithm)
     rows = list(islice(iter(make_source(cfg)), cfg.algorithm.prompts_per_step))
     device = resolve_device(cfg)

@@ -155,11 +155,15 @@ class GroupScheduler:
 class RewardWorker:
     """A CPU actor scoring groups (wrapped with ``ray.remote`` by the pool)."""
 
-    def __init__(self, name: str | None, path: str | None, latency_s: float, log_level: str) -> None:
+    def __init__(self, name: str | None, path: str | None, latency_s: float, log_level: str,
+                 require_sandbox_isolation: bool = False) -> None:
         from disagg.logs import setup_logging
         from disagg.tasks.base import get_reward
+        from disagg.tasks.sandbox import require_filesystem_isolation
 
         setup_logging("reward", log_level)
+        if require_sandbox_isolation:
+            require_filesystem_isolation()
         self.fn, self.latency_s = get_reward(name, path), latency_s
         self._logged: set[str] = set()
         freeze_heap("reward worker")
@@ -285,7 +289,8 @@ class Pipeline:
         if rc.num_workers == 0:
             return  # scored on the driver by self.scorer
         cls = ray.remote(RewardWorker).options(num_cpus=rc.cpus_per_worker)
-        self.rewards = [cls.remote(rc.name, rc.path, rc.latency_s, self.cfg.logging.level)
+        self.rewards = [cls.remote(rc.name, rc.path, rc.latency_s, self.cfg.logging.level,
+                                   rc.require_sandbox_isolation)
                         for _ in range(rc.num_workers)]
 
     def _start_runners(self) -> None:
@@ -300,7 +305,8 @@ class Pipeline:
         roll = self.cfg.rollout
         cls = ray.remote(AgentRunner).options(num_cpus=0, max_concurrency=1000)
         self.runners = [cls.remote(self.cfg.agent, str(self.job.model_path), addresses, roll.served_model_name,
-                                   roll.tool_call_parser or "hermes", roll.max_model_len, self.cfg.logging.level)
+                                   roll.tool_call_parser or "hermes", roll.max_model_len, self.cfg.logging.level,
+                                   self.cfg.reward.require_sandbox_isolation)
                         for _ in range(self.cfg.agent.num_runners)]
         self._routed = set(addresses)
 

@@ -25,6 +25,7 @@ from disagg.pipeline import Pipeline
 from disagg.resume import ResumableSource, ResumePoint, config_changes, load_resume, prune_checkpoints
 from disagg.scoring import Scorer
 from disagg.tasks.base import PromptSource, get_reward
+from disagg.tasks.sandbox import require_filesystem_isolation
 
 log = logging.getLogger("disagg.train")
 
@@ -60,6 +61,8 @@ def encode_prompt(tokenizer, text: str, add_bos: bool) -> tuple[int, ...]:
 def make_pipeline(cfg: Config, job: Job, tokenizer, source: PromptSource | None = None, **kw) -> Pipeline:
     """The pipeline of ``cfg``'s task (or ``source``) and reward on ``job`` (keyword arguments go to ``Pipeline``)."""
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    if cfg.reward.require_sandbox_isolation:
+        require_filesystem_isolation()  # the driver scores when reward.num_workers=0
     scorer = Scorer(get_reward(cfg.reward.name, cfg.reward.path), decode, cfg.algorithm, cfg.reward.latency_s)
     kw.setdefault("agent", is_agent_task(cfg))
     return Pipeline(cfg, job, source or make_source(cfg), lambda text: encode_prompt(tokenizer, text, cfg.data.add_bos),

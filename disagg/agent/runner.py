@@ -28,7 +28,8 @@ class AgentRunner:
     """Wrapped with ``ray.remote`` (async, many groups at once) by the pipeline."""
 
     def __init__(self, cfg: AgentConfig, model_path: str, addresses: dict[int, str], served_model_name: str,
-                 tool_call_parser: str, max_model_len: int, log_level: str = "INFO") -> None:
+                 tool_call_parser: str, max_model_len: int, log_level: str = "INFO",
+                 require_sandbox_isolation: bool = False) -> None:
         from transformers import AutoTokenizer
 
         from disagg.agent.client import RoutedCompletions
@@ -39,6 +40,10 @@ class AgentRunner:
         from disagg.rollout.tool_parsing import ToolCallParser
 
         setup_logging("agent", log_level)
+        if require_sandbox_isolation and "python" in cfg.tools:
+            from disagg.tasks.sandbox import require_filesystem_isolation
+
+            require_filesystem_isolation()
         tok = AutoTokenizer.from_pretrained(model_path)
         self.fmt = ChatFormat(tok)
         self.tools = ToolRegistry.from_config(list(cfg.tools), python_timeout_s=cfg.python_timeout_s,

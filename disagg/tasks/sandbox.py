@@ -7,10 +7,17 @@ must never take the calling process down: whatever the answer does (loops,
 allocates, forks, exits early, floods stderr) comes back as a ``SandboxResult``;
 only misuse by the caller raises.
 
-This is defence in depth for rewarding an RL policy, NOT a security boundary
-against hostile code: the answer runs as the caller's user, can read what that
-user can read, and can undo the in-process network prelude (ctypes, /proc).
-Run code you do not trust inside a container or VM.
+Filesystem (``filesystem_isolation``, see ``disagg.tasks.sandbox_fs``): the answer
+sees a read-only system and Python install, a private /tmp and its own temporary
+directory, nothing of the job (run directory, checkpoints, caches, project, home),
+and runs as nobody when the caller is root. It is built by bubblewrap (``"bwrap"``)
+where installed, else by this module's own mount namespace (``"namespaces"``); where
+neither is permitted (``"none"``) the answer sees what the caller's user sees, which
+is logged once as a warning (``require_filesystem_isolation`` makes it an error).
+
+This is defence in depth for rewarding an RL policy, not a hardened boundary
+against hostile code (no seccomp filter; the kernel is shared). Run code you do
+not trust inside a container or VM as well.
 
 Process layout. The exec'd interpreter is a supervisor that never runs user
 code: it forks one child that runs the answer then the tests, enforces the
@@ -32,26 +39,34 @@ the child is also put in:
   reaches it even if the answer killed the supervisor) and the supervisor
   walks the process tree.
 
+With bwrap, bwrap makes both namespaces and the supervisor is the PID
+namespace's init (bwrap runs it ``--as-pid-1``): the kernel kills what is left
+when it exits, and nothing in the namespace can signal it. When the caller is
+root and the filesystem is isolated, the child drops to nobody before it reads
+the answer.
+
 Fork bombs. RLIMIT_NPROC counts every thread of the real user, and the kernel
-exempts root (CAP_SYS_RESOURCE / CAP_SYS_ADMIN) from it, so as root it is left
-unset (it would neither fail the exec nor stop a fork) and the PID namespace's
-pid_max is the bound; for other users it is set to the user's current thread
-count plus ``_NPROC_MARGIN``. Either way the timeout kills the lot.
+exempts root from it, so when the answer runs as root it is left unset (it
+would neither fail the exec nor stop a fork) and the PID namespace's pid_max
+is the bound; otherwise it is set to the current thread count of the user the
+answer runs as (nobody, or the caller) plus ``_NPROC_MARGIN``. Either way the
+timeout kills the lot.
 
 A pass needs the tests to finish: the child reports its verdict with a nonce
 that is in neither file, so ``sys.exit(0)`` / ``os._exit(0)`` before the tests
 run scores as an error, not a pass. Objects with a forged ``__eq__`` still pass
 assert-based tests; that is a limit of such tests, not of this module.
 
-Linux only (/proc, unshare, prctl). ``preexec_fn`` is what the limits and
+Linux only (/proc, unshare, prctl, mount). ``preexec_fn`` is what the limits and
 namespaces need; it runs Python between fork and exec, which CPython warns can
 deadlock in a process whose other threads hold locks at that moment, so it
-only calls pre-resolved libc functions, ``os.write`` and ``setrlimit``.
+only calls pre-resolved libc functions, ``os`` system calls and ``setrlimit``.
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
 import math
 import os
 import platform
@@ -59,20 +74,29 @@ import resource
 import secrets
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Literal
 
+from disagg.errors import SandboxError
+from disagg.tasks import sandbox_fs
+from disagg.tasks.sandbox_fs import NOBODY
+
+log = logging.getLogger("disagg.sandbox")
+
 Reason = Literal["passed", "failed", "error", "timeout", "memory", "syntax", "no_code"]
+Filesystem = Literal["bwrap", "namespaces", "none"]
 
 _LIBC = ctypes.CDLL(None, use_errno=True)
 _CLONE_NEWNET = 0x40000000
 _CLONE_NEWPID = 0x20000000
 _PR_SET_CHILD_SUBREAPER = 36
+_PR_SET_NO_NEW_PRIVS = 38
 
 _FILE_SIZE_BYTES = 4 << 20
 _NUM_FILES = 64
@@ -104,29 +128,105 @@ class SandboxResult:
     session unless it called setsid(). None when nothing ran."""
     stdout: str = ""
     """The last ``max_output_bytes`` of the answer's stdout; only ``run_snippet`` captures it."""
+    filesystem_isolation: Filesystem | None = None
+    """What built the answer's view of the filesystem ("none": it saw what the caller's user sees);
+    None when nothing ran."""
 
 
 def run_python(code: str, tests: str, *, timeout_s: float = 5.0, memory_bytes: int = 256 << 20,
-               max_output_bytes: int = 64 << 10, use_namespaces: bool = True) -> SandboxResult:
+               max_output_bytes: int = 64 << 10, use_namespaces: bool = True,
+               filesystem: Filesystem | None = None) -> SandboxResult:
     """Run ``code`` then ``tests`` (assert statements) in one namespace, in a sandboxed subprocess.
 
-    ``use_namespaces=False`` skips the network/PID namespaces even where permitted
-    (only the prelude and the process-group kill apply).
+    ``filesystem`` picks how the filesystem is isolated; None: the best this machine permits
+    (``filesystem_isolation()``); a backend that does not work here raises ``SandboxError``.
+    ``use_namespaces=False`` runs as on a machine that permits no namespaces, for tests of the
+    fallbacks: no network, PID or mount namespace (only the prelude, the process-group kill
+    and the rlimits apply; ``filesystem`` must be None or "none").
     """
-    return _run_sandboxed(code, tests, timeout_s, memory_bytes, max_output_bytes, use_namespaces, False)
+    return _run_sandboxed(code, tests, timeout_s, memory_bytes, max_output_bytes, use_namespaces, False,
+                          filesystem)
 
 
 def run_snippet(code: str, *, timeout_s: float = 5.0, memory_bytes: int = 256 << 20,
-                max_output_bytes: int = 64 << 10, use_namespaces: bool = True) -> SandboxResult:
+                max_output_bytes: int = 64 << 10, use_namespaces: bool = True,
+                filesystem: Filesystem | None = None) -> SandboxResult:
     """Run ``code`` alone in the same sandbox as ``run_python``, capturing the tail of its stdout.
 
     ``reason`` is "passed" when the code ran to its end, else as for ``run_python``.
     """
-    return _run_sandboxed(code, "", timeout_s, memory_bytes, max_output_bytes, use_namespaces, True)
+    return _run_sandboxed(code, "", timeout_s, memory_bytes, max_output_bytes, use_namespaces, True, filesystem)
+
+
+def filesystem_isolation() -> Filesystem:
+    """The filesystem isolation runs get by default here: the first of bwrap and namespaces that
+    works (each tried once per process with a trial run), else "none", logged once."""
+    global _default_filesystem
+    with _probe_lock:
+        if _default_filesystem is None:
+            _default_filesystem = next((m for m in ("bwrap", "namespaces") if _probe_locked(m) is None), "none")
+            if _default_filesystem == "none":
+                log.warning("code sandbox: NO filesystem isolation, model code can read and write what uid %d "
+                            "can (%s)", os.geteuid(), _why_none_locked())
+            else:
+                log.info("code sandbox: filesystem isolation by %s", _default_filesystem)
+        return _default_filesystem
+
+
+def filesystem_unavailable(mode: Filesystem) -> str | None:
+    """Why ``mode`` cannot isolate the filesystem here, or None when it works (probed once)."""
+    with _probe_lock:
+        return _probe_locked(mode)
+
+
+def require_filesystem_isolation() -> Filesystem:
+    """The isolation runs get here; raises ``SandboxError`` saying why when it is "none"."""
+    mode = filesystem_isolation()
+    if mode == "none":
+        with _probe_lock:
+            why = _why_none_locked()
+        raise SandboxError(f"the code sandbox cannot isolate the filesystem on this machine ({why}); "
+                           "install bubblewrap (Debian: apt-get install bubblewrap) or permit mount/user "
+                           "namespaces, or set reward.require_sandbox_isolation=false to run model code without")
+    return mode
+
+
+_probe_lock = threading.Lock()
+_probes: dict[str, str | None] = {"none": None}
+_default_filesystem: Filesystem | None = None
+
+
+def _probe_locked(mode: str) -> str | None:
+    if mode not in _probes:
+        _probes[mode] = _probe(mode)
+    return _probes[mode]
+
+
+def _why_none_locked() -> str:
+    return "; ".join(f"{m}: {_probe_locked(m)}" for m in ("bwrap", "namespaces"))
+
+
+def _probe(mode: str) -> str | None:
+    """None if a trial run in ``mode`` works and cannot see a file planted beside its directory."""
+    if mode == "bwrap" and sandbox_fs.BWRAP is None:
+        return "bwrap is not installed"
+    if mode == "namespaces" and sandbox_fs.PIVOT_ROOT is None:
+        return f"no pivot_root syscall number for {platform.machine()}"
+    fd, planted = tempfile.mkstemp(prefix="disagg-sandbox-probe-")
+    os.close(fd)
+    try:
+        r = _run_sandboxed(f"import os\nassert not os.path.exists({planted!r}), 'the box sees the host'\n", "",
+                           30.0, 256 << 20, 4096, True, False, mode, trial=True)
+    except SandboxError as e:  # the view could not be built
+        return str(e).removeprefix(f"filesystem isolation {mode!r} failed: ")
+    finally:
+        os.unlink(planted)
+    return None if r.passed else f"a trial run failed ({r.reason}): {r.detail or r.stderr.strip()[-300:]}"
 
 
 def _run_sandboxed(code: str, tests: str, timeout_s: float, memory_bytes: int, max_output_bytes: int,
-                   use_namespaces: bool, capture_stdout: bool) -> SandboxResult:
+                   use_namespaces: bool, capture_stdout: bool, filesystem: Filesystem | None,
+                   trial: bool = False) -> SandboxResult:
     if not timeout_s > 0:
         raise ValueError(f"timeout_s={timeout_s!r} must be > 0")
     if memory_bytes < 32 << 20:
@@ -137,19 +237,32 @@ def _run_sandboxed(code: str, tests: str, timeout_s: float, memory_bytes: int, m
         compile(tests, "tests.py", "exec")
     except (SyntaxError, ValueError) as e:
         raise ValueError(f"tests do not compile: {e}") from e
+    if not use_namespaces and filesystem not in (None, "none"):
+        raise ValueError(f"filesystem={filesystem!r} needs namespaces; use_namespaces=False runs without")
+    if filesystem is not None and not trial:  # a trial run is the probe of its backend
+        why = filesystem_unavailable(filesystem)
+        if why is not None:
+            raise SandboxError(f"filesystem isolation {filesystem!r} does not work here: {why}")
     if not code.strip():
         return SandboxResult(False, "no_code", "", 0.0)
+    if not use_namespaces:
+        filesystem = "none"
+    elif filesystem is None:
+        filesystem = filesystem_isolation()
 
     t0 = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="disagg-sandbox-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="disagg-sandbox-") as tmp, \
+            (tempfile.TemporaryDirectory(prefix="disagg-sandbox-root-") if filesystem == "namespaces"
+             else nullcontext("")) as new_root:
         for name, text in (("answer.py", code), ("tests.py", tests), ("_runner.py", _RUNNER)):
             with open(os.path.join(tmp, name), "w", encoding="utf-8", errors="surrogatepass") as f:
                 f.write(text)
-        run = _start(tmp, timeout_s, memory_bytes, max_output_bytes, use_namespaces, capture_stdout)
+        run = _start(tmp, timeout_s, memory_bytes, max_output_bytes, use_namespaces, capture_stdout, filesystem,
+                     new_root)
         reason, detail, stderr = _finish(run, timeout_s)
     stdout = run.stdout_tail.decode("utf-8", "replace") if run.stdout_tail is not None else ""
     return SandboxResult(reason == "passed", reason, detail, time.monotonic() - t0, run.network_isolation,
-                         run.process_isolation, stderr, run.proc.pid, stdout)
+                         run.process_isolation, stderr, run.proc.pid, stdout, filesystem)
 
 
 @dataclass
@@ -166,7 +279,7 @@ class _Run:
 
 
 def _start(tmp: str, timeout_s: float, memory_bytes: int, max_output_bytes: int, use_namespaces: bool,
-           capture_stdout: bool) -> _Run:
+           capture_stdout: bool, filesystem: Filesystem, new_root: str) -> _Run:
     nonce = secrets.token_hex(16).encode()
     nonce_r, nonce_w = os.pipe()
     os.write(nonce_w, nonce)
@@ -180,19 +293,31 @@ def _start(tmp: str, timeout_s: float, memory_bytes: int, max_output_bytes: int,
         (resource.RLIMIT_NOFILE, (_NUM_FILES, _NUM_FILES)),
         (resource.RLIMIT_CORE, (0, 0)),
     ]
-    nproc = _nproc_limit()
+    as_root = os.geteuid() == 0
+    drop_uid = NOBODY if as_root and filesystem != "none" else -1  # the runner drops the answer to it
+    if drop_uid >= 0:
+        os.chown(tmp, NOBODY, NOBODY)
+        os.chmod(tmp, 0o711)  # and root in the box, which keeps no DAC override, may enter it
+        for name in os.listdir(tmp):
+            os.chmod(os.path.join(tmp, name), 0o644)  # readable by nobody whatever our umask, writable by root only
+    nproc = _nproc_limit(drop_uid)
     if nproc is not None:
         limits.append((resource.RLIMIT_NPROC, (nproc, nproc)))
     limits.append((resource.RLIMIT_AS, (memory_bytes, memory_bytes)))  # last: the forked parent image may exceed it
     env = {"PATH": "/usr/bin:/bin", "HOME": tmp, "TMPDIR": tmp, "LANG": "C.UTF-8"}
     # -u when stdout is captured: what was printed before a timeout kill or os._exit still arrives
-    argv = [sys.executable, "-I", "-S", "-B", *(["-u"] if capture_stdout else []), "_runner.py", str(nonce_r),
-            str(status_w), repr(float(timeout_s)), str(_PID_MAX_IN_NS if _PER_NAMESPACE_PID_MAX else 0)]
+    argv = [sandbox_fs.INTERPRETER, "-I", "-S", "-B", *(["-u"] if capture_stdout else []), "_runner.py",
+            str(nonce_r), str(status_w), repr(float(timeout_s)), str(_PID_MAX_IN_NS if _PER_NAMESPACE_PID_MAX else 0),
+            str(drop_uid)]
+    plan = sandbox_fs.plan_view(tmp, sandbox_fs.python_dirs()) if filesystem != "none" else []
+    if filesystem == "bwrap":
+        argv = sandbox_fs.bwrap_argv(plan, tmp, as_root=as_root) + argv
     try:
         proc = subprocess.Popen(argv, cwd=tmp, env=env, stdin=subprocess.DEVNULL,
                                 stdout=subprocess.PIPE if capture_stdout else subprocess.DEVNULL,
                                 stderr=subprocess.PIPE, start_new_session=True, pass_fds=(nonce_r, status_w),
-                                preexec_fn=partial(_preexec, limits, use_namespaces, report_w))
+                                preexec_fn=partial(_preexec, limits, use_namespaces, filesystem, plan, new_root, tmp,
+                                                   as_root, report_w))
     except BaseException:
         os.close(status_r)
         os.close(report_r)
@@ -201,8 +326,15 @@ def _start(tmp: str, timeout_s: float, memory_bytes: int, max_output_bytes: int,
         os.close(nonce_r)
         os.close(status_w)
         os.close(report_w)
-    report = os.read(report_r, 2)  # written by _preexec before the exec that Popen waited for
+    report = _read_all(report_r)  # written by _preexec before the exec that Popen waited for
     os.close(report_r)
+    if report[:1] == b"!":  # _preexec could not build the filesystem view and exited before the exec
+        proc.wait()
+        proc.stderr.close()
+        if proc.stdout is not None:
+            proc.stdout.close()
+        os.close(status_r)
+        raise SandboxError(f"filesystem isolation {filesystem!r} failed: {report[1:].decode(errors='replace')}")
     tail = bytearray()
     reader = threading.Thread(target=_drain, args=(proc.stderr.fileno(), tail, max_output_bytes), daemon=True,
                               name=f"sandbox-stderr-{proc.pid}")
@@ -218,12 +350,22 @@ def _start(tmp: str, timeout_s: float, memory_bytes: int, max_output_bytes: int,
     return run
 
 
-def _preexec(limits: list[tuple[int, tuple[int, int]]], use_namespaces: bool, report_fd: int) -> None:
-    """In the forked child before exec: namespaces, subreaper, then limits. Must not raise."""
-    netns = pidns = False
-    if use_namespaces:
+def _preexec(limits: list[tuple[int, tuple[int, int]]], use_namespaces: bool, filesystem: Filesystem,
+             plan: list[sandbox_fs.Entry], new_root: str, box: str, as_root: bool, report_fd: int) -> None:
+    """In the forked child before exec: namespaces (bwrap makes its own), the filesystem view,
+    subreaper, then limits. Must not raise: a view it cannot build is reported and it exits."""
+    netns = pidns = filesystem == "bwrap"
+    err = sandbox_fs.unshare_mounts(as_root=as_root) if filesystem == "namespaces" else None
+    if use_namespaces and filesystem != "bwrap" and err is None:
         netns = _LIBC.unshare(_CLONE_NEWNET) == 0
         pidns = _LIBC.unshare(_CLONE_NEWPID) == 0  # applies to the supervisor's child, not the supervisor
+    if filesystem == "namespaces" and err is None:
+        err = sandbox_fs.enter_view(plan, new_root, box, as_root=as_root, host_proc=as_root and not pidns)
+    if err is not None:
+        os.write(report_fd, b"!" + err.encode(errors="replace"))
+        os._exit(127)
+    if filesystem != "bwrap":  # bwrap sets it for the box itself (and may be installed setuid)
+        _LIBC.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)  # no setuid binary (sudo, su) raises the answer's rights
     _LIBC.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     os.write(report_fd, (b"n" if netns else b"p") + (b"y" if pidns else b"n"))
     for res, lim in limits:
@@ -336,11 +478,12 @@ def _verdict(status: bytes, nonce: bytes) -> str | None:
     return None
 
 
-def _nproc_limit() -> int | None:
-    """RLIMIT_NPROC for the child: None as root (exempt), else this user's threads now plus a margin."""
-    if os.geteuid() == 0:
+def _nproc_limit(drop_uid: int) -> int | None:
+    """RLIMIT_NPROC for the child: the threads of the user the answer runs as (``drop_uid``, else
+    ours) now plus a margin; None as root when the answer runs as root (exempt)."""
+    if os.geteuid() == 0 and drop_uid < 0:
         return None
-    uid, num_threads = os.getuid(), 0
+    uid, num_threads = (drop_uid if drop_uid >= 0 else os.getuid()), 0
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
@@ -369,140 +512,5 @@ def _per_namespace_pid_max() -> bool:
 _PER_NAMESPACE_PID_MAX = _per_namespace_pid_max()
 
 
-# The file the interpreter runs. The supervisor (this process) forks the child
-# that runs user code; user code never runs in the supervisor.
-_RUNNER = r'''
-import os, signal, sys, time
-
-NONCE_FD, STATUS_FD, TIMEOUT_S, PID_MAX = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
-EXIT_TIMEOUT = 124
-
-
-def kill(pid):
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
-
-def reap_all():
-    # Kill and reap every child until none is left. As subreaper we inherit the
-    # orphans of each process we kill, so this walks the whole tree top-down,
-    # setsid() escapees included.
-    me = os.getpid()
-    while True:
-        try:
-            with open(f"/proc/{me}/task/{me}/children") as f:
-                kids = [int(k) for k in f.read().split()]
-        except OSError:
-            kids = []
-        for k in kids:
-            kill(k)
-        try:
-            while os.waitpid(-1, os.WNOHANG)[0]:
-                pass
-        except ChildProcessError:
-            return
-        time.sleep(0.005)
-
-
-def supervise(child):
-    timed_out = []
-
-    def on_alarm(signum, frame):
-        timed_out.append(True)
-        kill(child)  # in a PID namespace the kernel then kills everything else in it
-
-    signal.signal(signal.SIGALRM, on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, TIMEOUT_S)
-    _, status = os.waitpid(child, 0)
-    signal.setitimer(signal.ITIMER_REAL, 0)
-    reap_all()
-    if timed_out:
-        os._exit(EXIT_TIMEOUT)
-    code = os.waitstatus_to_exitcode(status)
-    os._exit(128 - code if code < 0 else min(code, EXIT_TIMEOUT - 1))
-
-
-def deny_network():
-    import _socket
-    import socket
-
-    def denied(*args, **kwargs):
-        raise PermissionError("network access is disabled in the sandbox")
-
-    class NoSocket(_socket.socket):
-        def __init__(self, *args, **kwargs):
-            denied()
-
-    for mod in (socket, _socket):
-        for name in ("socket", "SocketType"):
-            setattr(mod, name, NoSocket)
-        for name in ("create_connection", "create_server", "socketpair", "fromfd", "getaddrinfo",
-                     "gethostbyname", "gethostbyname_ex", "gethostbyaddr", "getnameinfo"):
-            if hasattr(mod, name):
-                setattr(mod, name, denied)
-
-
-def report(nonce, verdict):
-    os.write(STATUS_FD, nonce + b" " + verdict + b"\n")
-
-
-def fail(nonce, verdict, exc):
-    if isinstance(exc, MemoryError):
-        os.write(2, b"MemoryError\n")  # no traceback: formatting one needs memory
-        report(nonce, b"memory")
-    else:
-        import traceback
-        traceback.print_exception(exc)
-        sys.stderr.flush()
-        report(nonce, verdict)
-    os._exit(0)
-
-
-def run_child(nonce):
-    os.nice(10)  # below the supervisor, so its timer still runs promptly when the answer saturates the CPUs
-    if os.getpid() == 1:  # init of our own PID namespace
-        os.setpgid(0, 0)  # out of the supervisor's group: nothing in the namespace can then signal it
-        if PID_MAX:  # the parent checked that this kernel scopes pid_max to the namespace
-            try:
-                with open("/proc/sys/kernel/pid_max", "w") as f:
-                    f.write(str(PID_MAX))
-            except OSError:
-                pass  # /proc/sys mounted read-only (containers): the timeout alone bounds a fork bomb
-    deny_network()
-    with open("answer.py", encoding="utf-8", errors="surrogatepass") as f:
-        answer_src = f.read()
-    with open("tests.py", encoding="utf-8") as f:
-        tests_code = compile(f.read(), "tests.py", "exec")
-    try:
-        answer_code = compile(answer_src, "answer.py", "exec")
-    except (SyntaxError, ValueError) as e:
-        fail(nonce, b"syntax", e)
-    namespace = {"__name__": "answer", "__builtins__": __builtins__}
-    try:
-        exec(answer_code, namespace)
-    except BaseException as e:
-        fail(nonce, b"error", e)
-    try:
-        exec(tests_code, namespace)
-    except AssertionError as e:
-        fail(nonce, b"failed", e)
-    except BaseException as e:
-        fail(nonce, b"error", e)
-    report(nonce, b"passed")
-    os._exit(0)
-
-
-def main():
-    nonce = os.read(NONCE_FD, 64)
-    os.close(NONCE_FD)
-    child = os.fork()
-    if child == 0:
-        run_child(nonce)
-    os.close(STATUS_FD)
-    supervise(child)
-
-
-main()
-'''
+# The supervisor script the interpreter runs (a file of its own; never imported).
+_RUNNER = (Path(__file__).parent / "sandbox_runner.py").read_text(encoding="utf-8")

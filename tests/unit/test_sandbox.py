@@ -4,15 +4,22 @@ Each case runs a real interpreter; the slow ones (timeout, fork bomb, leftover
 processes) are bounded by the sandbox's own timeout.
 """
 
+import json
+import logging
 import os
+import secrets
+import shutil
 import socket
 import subprocess
 import tempfile
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
+from disagg.errors import SandboxError
+from disagg.tasks import sandbox, sandbox_fs
 from disagg.tasks.base import get_reward
 from disagg.tasks.code import code_tests_reward, extract_code, make_code_rows, reason_counts
 from disagg.tasks.sandbox import run_python
@@ -138,21 +145,36 @@ def test_files_land_in_a_temp_dir_that_is_removed(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+def _processes_with_argv(argv):
+    found = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/cmdline", "rb") as f:
+                    if f.read().split(b"\0")[:-1] == argv:
+                        found.append(int(name))
+            except OSError:
+                continue
+    return found
+
+
 @pytest.mark.parametrize("use_namespaces", [True, False])
-def test_processes_left_behind_are_killed(tmp_path, use_namespaces):
-    """A daemon that leaves the session would write the marker if it outlived the run."""
-    marker = tmp_path / "survived"
-    code = ("import os, time\n"
+def test_processes_left_behind_are_killed(use_namespaces):
+    """A daemon that leaves the session and execs a sleep of a unique length would still be
+    found by that command line after the run (the box shows the caller nothing to write to)."""
+    seconds = f"9.{secrets.randbelow(10**6):06d}"
+    code = ("import os\n"
+            "r, w = os.pipe()\n"
             "if os.fork() == 0:\n"
             "    os.setsid()\n"
-            "    time.sleep(0.5)\n"
-            f"    open({str(marker)!r}, 'w').close()\n"
-            "    os._exit(0)\n" + ADD)
+            "    os.write(w, b'x')\n"
+            f"    os.execv('/bin/sleep', ['sleep', {seconds!r}])\n"
+            "assert os.read(r, 1) == b'x'\n" + ADD)
     r = run_python(code, ADD_TESTS, use_namespaces=use_namespaces)
-    assert r.passed
+    assert r.passed, r.stderr
     _assert_nothing_left(r)
-    time.sleep(1.0)
-    assert not marker.exists()
+    time.sleep(0.5)  # a survivor has exec'd by now
+    assert _processes_with_argv([b"sleep", seconds.encode()]) == []
 
 
 def test_fork_bomb_is_contained(isolation):
@@ -251,3 +273,175 @@ def test_code_task_source_streams_seeded_solvable_rows_and_needs_the_code_reward
     with pytest.raises(ConfigError, match="reward.name=code_tests"):
         load_config({"data": {"task": "code"}})
     assert load_config({"data": {"task": "code"}, "reward": {"name": "code_tests"}}).data.task == "code"
+
+
+# ---- filesystem isolation -----------------------------------------------------------------
+
+PROJECT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(params=["bwrap", "namespaces"])
+def fs_backend(request):
+    """Each backend; skipped only where this machine cannot run it (as root it must, bwrap where installed)."""
+    why = sandbox.filesystem_unavailable(request.param)
+    if why is not None:
+        must = os.geteuid() == 0 and (request.param == "namespaces" or sandbox_fs.BWRAP is not None)
+        (pytest.fail if must else pytest.skip)(f"{request.param} filesystem isolation: {why}")
+    return request.param
+
+
+@pytest.fixture
+def planted(tmp_path):
+    """Files the box must neither read nor change: world-readable and world-writable, in a
+    world-writable directory under the caller's /tmp (so only the box's view hides them, not
+    its user), a fake run directory with its control token, and a file in $HOME."""
+    outside = Path(tempfile.mkdtemp(prefix="disagg-test-outside-"))
+    home_secret = Path.home() / f".disagg-sandbox-test-{secrets.token_hex(4)}"
+    try:
+        outside.chmod(0o777)
+        (outside / "run").mkdir(mode=0o755)
+        files = {"secret": outside / "secret.txt", "token": outside / "run" / "control.token",
+                 "tmp_path": tmp_path / "planted.txt"}
+        if os.access(Path.home(), os.W_OK):
+            files["home"] = home_secret
+        for f in files.values():
+            f.write_text("s3cret\n")
+            f.chmod(0o666)
+        yield outside, files
+    finally:
+        shutil.rmtree(outside)
+        home_secret.unlink(missing_ok=True)
+
+
+def _box_report(probes, **kw):
+    """Run ``probes`` (name -> (op, path)) in the box; name -> "ok" or the exception's type."""
+    code = f"""import json, os
+def attempt(op, path):
+    try:
+        if op == "read":
+            open(path).read()
+        elif op == "append":
+            open(path, "a").write("hacked")
+        else:
+            open(path, "w").write("x")
+            assert open(path).read() == "x"
+        return "ok"
+    except Exception as e:
+        return type(e).__name__
+print(json.dumps({{name: attempt(op, path) for name, (op, path) in {probes!r}.items()}} | {{"uid": os.getuid()}}))
+"""
+    r = sandbox.run_snippet(code, **kw)
+    assert r.passed, r.stderr
+    return r, json.loads(r.stdout)
+
+
+def test_box_hides_the_job_and_keeps_writes_inside(fs_backend, planted):
+    outside, files = planted
+    new_home = Path.home() / f".disagg-sandbox-test-{secrets.token_hex(4)}"
+    probes = {
+        "read secret": ("read", str(files["secret"])),
+        "read control token": ("read", str(files["token"])),
+        "read tmp_path": ("read", str(files["tmp_path"])),
+        "read project": ("read", str(PROJECT / "pyproject.toml")),
+        "append secret": ("append", str(files["secret"])),
+        "append tmp_path": ("append", str(files["tmp_path"])),
+        "create outside": ("write", str(outside / "new.txt")),
+        "create in project": ("write", str(PROJECT / "sandbox-was-here.txt")),
+        "create in home": ("write", str(new_home)),
+        **({"read home": ("read", str(files["home"]))} if "home" in files else {}),
+        "create in etc": ("write", "/etc/sandbox-was-here"),
+        "create in cwd": ("write", "inside.txt"),
+        "create in tmp": ("write", "/tmp/inside.txt"),
+        "create in shm": ("write", "/dev/shm/inside.txt"),
+        "append the tests": ("append", "tests.py"),
+    }
+    try:
+        r, got = _box_report(probes, filesystem=fs_backend)
+    finally:
+        new_home.unlink(missing_ok=True)
+    assert r.filesystem_isolation == fs_backend
+    hidden = {k: "FileNotFoundError" for k in probes if k.startswith(("read", "append secret", "append tmp_path"))}
+    assert {k: got[k] for k in hidden} == hidden  # not merely denied: not there at all
+    for k in ("create outside", "create in project", "create in home", "create in etc"):
+        assert got[k] in ("FileNotFoundError", "PermissionError", "OSError"), k  # OSError: read-only file system
+    assert (got["create in cwd"], got["create in tmp"], got["create in shm"]) == ("ok", "ok", "ok")
+    if os.geteuid() == 0:  # the answer runs as nobody: a root-owned file is not writable even in its own directory
+        assert (got["uid"], got["append the tests"]) == (sandbox_fs.NOBODY, "PermissionError")
+    for f in files.values():
+        assert f.read_text() == "s3cret\n"
+    assert sorted(p.name for p in outside.iterdir()) == ["run", "secret.txt"]
+    assert not (PROJECT / "sandbox-was-here.txt").exists() and not new_home.exists()
+
+
+def test_without_isolation_the_box_sees_the_host(planted):
+    """The control for the test above: the same probe reads the planted file when nothing isolates."""
+    _, files = planted
+    r, got = _box_report({"read secret": ("read", str(files["secret"]))}, use_namespaces=False)
+    assert (r.filesystem_isolation, got["read secret"]) == ("none", "ok")
+
+
+def test_this_machine_isolates_the_filesystem():
+    r = run_python(ADD, ADD_TESTS)
+    assert r.passed and r.filesystem_isolation == sandbox.filesystem_isolation()
+    if os.geteuid() != 0:
+        pytest.skip("as another user what works depends on the machine's user namespaces")
+    if shutil.which("apt-get"):
+        assert sandbox_fs.BWRAP, "run `make venv`: as root where apt-get is there it installs bubblewrap"
+    assert r.filesystem_isolation == ("bwrap" if sandbox_fs.BWRAP else "namespaces")
+    assert sandbox.require_filesystem_isolation() == r.filesystem_isolation
+
+
+def test_no_isolation_is_logged_once_and_an_error_when_required(monkeypatch, caplog):
+    monkeypatch.setattr(sandbox, "_probes", {"none": None, "bwrap": "bwrap is not installed",
+                                             "namespaces": "unshare: Operation not permitted"})
+    monkeypatch.setattr(sandbox, "_default_filesystem", None)
+    with caplog.at_level(logging.INFO, logger="disagg.sandbox"):
+        assert run_python(ADD, ADD_TESTS).filesystem_isolation == "none"
+        assert run_python(ADD, ADD_TESTS).passed
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "NO filesystem isolation" in warnings[0] and "Operation not permitted" in warnings[0]
+    with pytest.raises(SandboxError, match="bwrap: bwrap is not installed; namespaces: unshare: Operation not "
+                                           "permitted.*reward.require_sandbox_isolation"):
+        sandbox.require_filesystem_isolation()
+    with pytest.raises(SandboxError, match="'bwrap' does not work here: bwrap is not installed"):
+        run_python(ADD, ADD_TESTS, filesystem="bwrap")
+    with pytest.raises(ValueError, match="use_namespaces=False"):
+        run_python(ADD, ADD_TESTS, filesystem="namespaces", use_namespaces=False)
+
+    from disagg.pipeline import RewardWorker
+
+    monkeypatch.setattr("disagg.logs.setup_logging", lambda role, level: None)
+    with pytest.raises(SandboxError, match="cannot isolate the filesystem"):  # reward.require_sandbox_isolation
+        RewardWorker("code_tests", None, 0.0, "INFO", require_sandbox_isolation=True)
+
+
+def test_a_view_that_cannot_be_built_raises(monkeypatch):
+    if sandbox.filesystem_unavailable("namespaces") is not None:
+        pytest.skip(f"namespaces filesystem isolation: {sandbox.filesystem_unavailable('namespaces')}")
+    real = sandbox_fs.plan_view
+    monkeypatch.setattr(sandbox_fs, "plan_view",
+                        lambda box, pythons: real(box, pythons) + [("ro", "/nonexistent-disagg", "/x")])
+    with pytest.raises(SandboxError, match="'namespaces' failed: ro /nonexistent-disagg /x: No such file"):
+        run_python(ADD, ADD_TESTS, filesystem="namespaces")
+
+
+def test_plan_and_bwrap_command_line(tmp_path):
+    usr, bin_, lib32 = tmp_path / "usr", tmp_path / "bin", tmp_path / "lib32"
+    (usr / "lib" / "python3").mkdir(parents=True)
+    bin_.symlink_to("usr/bin")
+    box = "/tmp/disagg-sandbox-abc"
+    plan = sandbox_fs.plan_view(box, ["/opt/py/3.11", str(usr / "lib" / "python3")],
+                                system=(str(usr), str(bin_), str(lib32)))
+    assert plan == [("ro", str(usr), str(usr)), ("symlink", "usr/bin", str(bin_)), ("tmpfs", "", "/tmp"),
+                    ("tmpfs", "", "/dev/shm"), ("dir", "", "/opt"), ("dir", "", "/opt/py"), ("ro", "/opt/py/3.11", "/opt/py/3.11"),
+                    ("rw", box, box)]
+    as_root = " ".join(sandbox_fs.bwrap_argv(plan, box, as_root=True))
+    for part in (f"--ro-bind {usr} {usr}", f"--symlink usr/bin {bin_}",
+                 "--perms 0755 --dir /opt --perms 0755 --dir /opt/py --ro-bind /opt/py/3.11 /opt/py/3.11",
+                 "--perms 1777 --tmpfs /tmp", f"--bind {box} {box} --remount-ro / --chdir {box} --",
+                 "--unshare-net --unshare-pid --as-pid-1",
+                 "--cap-drop ALL --cap-add CAP_SETUID --cap-add CAP_SETGID --cap-add CAP_KILL"):
+        assert part in as_root
+    assert "--unshare-user" not in as_root  # as root a user namespace would map the box's nobody to root
+    as_user = " ".join(sandbox_fs.bwrap_argv(plan, box, as_root=False))
+    assert "--unshare-user" in as_user and "--cap-" not in as_user
