@@ -300,7 +300,8 @@ class Pipeline:
         roll = self.cfg.rollout
         cls = ray.remote(AgentRunner).options(num_cpus=0, max_concurrency=1000)
         self.runners = [cls.remote(self.cfg.agent, str(self.job.model_path), addresses, roll.served_model_name,
-                                   roll.tool_call_parser or "hermes", roll.max_model_len, self.cfg.logging.level)
+                                   roll.tool_call_parser or "hermes", roll.max_model_len, self.cfg.logging.level,
+                                   self.cfg.model.cache_dir)
                         for _ in range(self.cfg.agent.num_runners)]
         self._routed = set(addresses)
 
