@@ -7,6 +7,7 @@ key and the value on error), runs the job, and prints the run directory last.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import NoReturn
@@ -33,8 +34,14 @@ def _hydra_command(argv: list[str], mode: str) -> int:
     from disagg.config import load_config
     from disagg.errors import ConfigError
     from disagg.logs import setup_logging
+    from disagg.paths import run_dir_of, runs_root
 
     result: dict[str, int] = {"rc": 1}
+    # hydra.run.dir is <this>/<time> (configs/train.yaml): a default root never lies in a Ray job's
+    # working-dir package, and disagg.paths.RunDirCheck refuses any run directory there before hydra
+    # creates it.
+    OmegaConf.register_new_resolver("disagg_runs_root", lambda root: str(runs_root(root, Path.cwd(), os.environ)),
+                                    replace=True)
 
     @hydra.main(config_path=str(CONFIG_DIR), config_name="train", version_base="1.3")
     def _main(dc) -> None:
@@ -44,7 +51,7 @@ def _hydra_command(argv: list[str], mode: str) -> int:
         setup_logging("driver", dc.logging.level if "logging" in dc else "INFO")
         try:
             cfg = load_config(OmegaConf.to_container(dc, resolve=True), mode=mode)
-            run_dir = Path(cfg.run_dir or HydraConfig.get().runtime.output_dir).resolve()
+            run_dir = run_dir_of(cfg.run_dir, HydraConfig.get().runtime.output_dir)
             try:
                 if mode == "train":
                     run_dir = Path(run(cfg, run_dir))  # a resume goes on in the resumed run's directory

@@ -81,12 +81,19 @@ class TrainerConfig:
     step_delay_s: float = 0.0
     """Sleep this long after each optimizer step: simulates a slower trainer (tests, benchmarks)."""
     checkpoint_every: int = 0
-    """Write a checkpoint (<run_dir>/checkpoints/step_<N>) every this many steps, and one after the
+    """Write a checkpoint (<checkpoint_dir>/step_<N>) every this many steps, and one after the
     last step; 0 = only when asked (`disagg ctl checkpoint`, `disagg ctl stop`). With
     algorithm.max_staleness > 0 a checkpoint may land one step later (it waits for an idle trainer)."""
     keep_checkpoints: int = 2
-    """Complete checkpoints kept in the run directory: after each one is written, all but the newest
-    this many are deleted (the one the run resumed from stays while it runs); 0 = keep all."""
+    """Complete checkpoints kept in the checkpoint directory: after each one is written, all but the
+    newest this many are deleted (the one the run resumed from stays while it runs); 0 = keep all."""
+    checkpoint_dir: str | None = None
+    """Where this run's checkpoints go (step_<N> directories), somewhere every node reads: a path
+    every node mounts (relative: to the launch directory), or an fsspec URL (s3://bucket/ckpt,
+    gs://..., file:///shared/ckpt; the protocol's fsspec package on every node), through which
+    each trainer rank copies its files up and each process that loads a checkpoint copies it down
+    into model.cache_dir/checkpoints on its node. null = <run_dir>/checkpoints, or for a resumed
+    run the directory of the checkpoint it resumed from."""
 
 
 @dataclass(frozen=True)
@@ -348,8 +355,11 @@ class AgentConfig:
 
 @dataclass(frozen=True)
 class LoggingConfig:
-    root_dir: str = "runs"
-    """Parent of run directories."""
+    root_dir: str | None = None
+    """Parent of run directories (hydra.run.dir is <root_dir>/<time>); relative: to the launch
+    directory. null = $DISAGG_RUNS_DIR, else `runs` under the launch directory, or ~/disagg-runs
+    when launched inside a Ray job's working-dir package (which Ray deletes); a root inside such a
+    package is an error (disagg.paths)."""
     level: str = "INFO"
     tensorboard: bool = True
     plot: bool = True
@@ -371,9 +381,10 @@ class Config:
     agent: AgentConfig = field(default_factory=AgentConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     run_dir: str | None = None
-    """Run directory; null -> hydra's output directory."""
+    """Run directory; null -> hydra's output directory. Never inside a Ray job's working-dir package."""
     resume: str | None = None
-    """Continue a run: its run directory (the latest complete checkpoint) or one checkpoint directory.
+    """Continue a run: its run directory (the latest complete checkpoint), a checkpoint directory
+    (trainer.checkpoint_dir: a path or fsspec URL; its latest complete checkpoint) or one checkpoint.
     Weights, optimizer, scheduler, RNG, data cursor and counters come from the checkpoint; everything
     else from this config (trainer.num_workers may differ). Steps, policy versions and metrics.jsonl
     continue in that run directory. null = a new run."""
@@ -534,8 +545,14 @@ def validate(cfg: Config, mode: str = "train") -> Config:
     _check(t.warmup_steps >= 0, f"trainer.warmup_steps={t.warmup_steps}: must be >= 0")
     _check(t.checkpoint_every >= 0, f"trainer.checkpoint_every={t.checkpoint_every}: must be >= 0 (0 = off)")
     _check(t.keep_checkpoints >= 0, f"trainer.keep_checkpoints={t.keep_checkpoints}: must be >= 0 (0 = keep all)")
-    _check(cfg.resume is None or os.path.isdir(os.path.expanduser(cfg.resume)),
-           f"resume={cfg.resume!r}: not a directory (a run directory or one of its checkpoints/step_<N>)")
+    from disagg.storage import check_location, is_url
+
+    for key, where in (("trainer.checkpoint_dir", t.checkpoint_dir), ("resume", cfg.resume)):
+        if where is not None:
+            check_location(key, where)
+    _check(cfg.resume is None or is_url(cfg.resume) or os.path.isdir(os.path.expanduser(cfg.resume)),
+           f"resume={cfg.resume!r}: not a directory (a run directory, a checkpoint directory or one checkpoint "
+           "step_<N>)")
     n_cpu = os.cpu_count() or 1
     for key, cores in (("trainer.cpu_affinity", t.cpu_affinity), ("rollout.cpu_affinity", r.cpu_affinity)):
         _check(cores is None or (len(cores) > 0 and all(0 <= c < n_cpu for c in cores)),

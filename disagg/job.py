@@ -59,9 +59,11 @@ class PendingSync:
 
 
 class Job:
-    def __init__(self, cfg: Config, run_dir: Path, model_path: Path):
+    def __init__(self, cfg: Config, run_dir: Path, model_path: Path | str):
         self.cfg = cfg
         self.run_dir = run_dir
+        # The model the actors load: a local directory, or the checkpoint a resumed run starts from
+        # (a path or an fsspec URL, which each actor copies to its node: disagg.storage.local_copy).
         self.model_path = model_path
         self.coordinator = None
         self.token: str | None = None  # the job's control token (written to <run_dir>/control.token)
@@ -72,7 +74,7 @@ class Job:
         self.engine_start_s: list[float] = []
 
     @classmethod
-    def start(cls, cfg: Config, run_dir: Path, model_path: Path) -> "Job":
+    def start(cls, cfg: Config, run_dir: Path, model_path: Path | str) -> "Job":
         job = cls(cfg, run_dir, model_path)
         try:
             job._start()
@@ -217,29 +219,44 @@ class Job:
                 parts.append(f"{name}: {type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}")
         return "; ".join(parts) or f"{type(first).__name__}: {first}"
 
+    @property
+    def checkpoint_dir(self) -> str:
+        """``trainer.checkpoint_dir`` (a shared path or an fsspec URL), else ``<run_dir>/checkpoints``."""
+        from disagg.resume import default_checkpoint_dir
+
+        return self.cfg.trainer.checkpoint_dir or default_checkpoint_dir(self.run_dir)
+
     def save_checkpoint(self, step: int, policy_version: int, extra: dict | None = None) -> str:
-        """``<run_dir>/checkpoints/step_<N>``: the model in HF layout (safetensors; vLLM and HF load it),
-        tokenizer, optimizer/scheduler/RNG state, and ``state.json`` (step, version, ``extra``)."""
+        """``<checkpoint_dir>/step_<N>``: the model in HF layout (safetensors; vLLM and HF load it),
+        tokenizer, optimizer/scheduler/RNG state, and ``state.json`` (step, version, ``extra``).
+
+        Complete once ``state.json`` is there. At a plain path (one filesystem for every node) the
+        trainer ranks write ``step_<N>.partial`` and the driver renames it; at a URL every writer
+        copies its files up and the driver writes ``state.json`` last (object stores cannot rename a
+        directory atomically)."""
         import json
-        import shutil
 
-        from disagg.resume import checkpoint_path
+        from disagg import storage
+        from disagg.resume import STATE, checkpoint_path
 
-        path = checkpoint_path(self.run_dir, step)
-        tmp = path.with_name(path.name + ".partial")
-        shutil.rmtree(tmp, ignore_errors=True)
+        path = checkpoint_path(self.checkpoint_dir, step)
+        tmp = path if storage.is_url(path) else path + ".partial"
+        storage.remove(tmp)
         t0 = time.perf_counter()
-        self.trainer.save_checkpoint(str(tmp))
-        for f in self.model_path.iterdir():  # tokenizer files: the checkpoint is a complete model directory
+        self.trainer.save_checkpoint(tmp)
+        # tokenizer files: the checkpoint is a complete model directory
+        for f in storage.local_copy(str(self.model_path), self.cfg.model.cache_dir).iterdir():
             if f.is_file() and f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "chat_template")):
-                shutil.copy2(f, tmp / f.name)
+                storage.put_file(f, storage.join(tmp, f.name))
         state = {"step": step, "policy_version": policy_version, "time_unix_s": time.time(), **(extra or {})}
-        (tmp / "state.json").write_text(json.dumps(state, indent=2, default=str))
-        shutil.rmtree(path, ignore_errors=True)
-        tmp.rename(path)  # a checkpoint directory without .partial is complete
+        if tmp != path:
+            storage.remove(path)
+        storage.write_text(storage.join(tmp, STATE), json.dumps(state, indent=2, default=str))
+        if tmp != path:
+            Path(tmp).rename(path)  # a checkpoint directory without .partial is complete
         log.info("checkpoint of step %d (policy version %d) written to %s in %.1fs", step, policy_version, path,
                  time.perf_counter() - t0)
-        return str(path)
+        return path
 
     def shutdown(self) -> None:
         if self.rollout is not None:

@@ -306,7 +306,7 @@ class Pipeline:
         cls = ray.remote(AgentRunner).options(num_cpus=0, max_concurrency=1000)
         self.runners = [cls.remote(self.cfg.agent, str(self.job.model_path), addresses, roll.served_model_name,
                                    roll.tool_call_parser or "hermes", roll.max_model_len, self.cfg.logging.level,
-                                   self.cfg.reward.require_sandbox_isolation)
+                                   self.cfg.model.cache_dir, self.cfg.reward.require_sandbox_isolation)
                         for _ in range(self.cfg.agent.num_runners)]
         self._routed = set(addresses)
 

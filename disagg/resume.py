@@ -1,24 +1,29 @@
 """Continuing a run from one of its checkpoints (``disagg train resume=<run_dir>``).
 
-A checkpoint is ``<run_dir>/checkpoints/step_<N>/`` (``Job.save_checkpoint``): complete once
-its ``.partial`` suffix is gone. This module picks the checkpoint a ``resume`` value names,
-checks that the run can continue from it, replays the prompts that were drawn but not trained
-when it was written, and keeps the newest checkpoints. It plans on the driver before any actor
-starts, so it never imports torch or vLLM; the trainer workers load the tensors themselves.
+A checkpoint is ``<checkpoint_dir>/step_<N>/`` (``Job.save_checkpoint``), where the checkpoint
+directory is ``trainer.checkpoint_dir`` - a shared path or an fsspec URL - or by default
+``<run_dir>/checkpoints``. It is complete once its ``state.json`` is there: a local writer fills
+``step_<N>.partial`` and renames it, a remote one writes ``state.json`` last. This module picks the
+checkpoint a ``resume`` value names, checks that the run can continue from it, replays the prompts
+that were drawn but not trained when it was written, and keeps the newest checkpoints. It plans on
+the driver before any actor starts, so it never imports torch or vLLM; the trainer workers and
+engines load the checkpoint themselves, each from its node's copy (``disagg.storage``).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+import posixpath
 import re
-import shutil
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from disagg import storage
 from disagg.config import Config
 from disagg.errors import ConfigError
 from disagg.tasks.base import PromptRow, PromptSource
@@ -26,42 +31,67 @@ from disagg.tasks.base import PromptRow, PromptSource
 log = logging.getLogger("disagg.resume")
 
 CHECKPOINTS = "checkpoints"
+STATE = "state.json"
 _STEP = re.compile(r"step_(\d+)")
 
 
-def checkpoint_path(run_dir: Path, step: int) -> Path:
-    """Where the checkpoint of ``step`` lives (``Job.save_checkpoint`` writes it as ``.partial`` first)."""
-    return run_dir / CHECKPOINTS / f"step_{step:06d}"
+def default_checkpoint_dir(run_dir: Path) -> str:
+    """Where a run's checkpoints go when ``trainer.checkpoint_dir`` is null."""
+    return str(run_dir / CHECKPOINTS)
 
 
-def checkpoint_step(path: Path) -> int | None:
-    """N of a complete checkpoint directory ``step_<N>``; None for anything else (``.partial`` included)."""
-    m = _STEP.fullmatch(path.name)
+def checkpoint_path(checkpoint_dir: str, step: int) -> str:
+    """Where the checkpoint of ``step`` lives under ``checkpoint_dir`` (a path or an fsspec URL)."""
+    return storage.join(checkpoint_dir, f"step_{step:06d}")
+
+
+def checkpoint_step(location: str) -> int | None:
+    """N of a checkpoint named ``step_<N>``; None for any other name (``.partial`` included)."""
+    m = _STEP.fullmatch(posixpath.basename(str(location).rstrip("/")))
     return int(m.group(1)) if m else None
 
 
-def complete_checkpoints(run_dir: Path) -> list[Path]:
-    """The run's complete checkpoints, oldest step first."""
-    root = run_dir / CHECKPOINTS
-    found = [p for p in root.iterdir() if p.is_dir() and checkpoint_step(p) is not None] if root.is_dir() else []
-    return sorted(found, key=checkpoint_step)
+def complete_checkpoints(checkpoint_dir: str) -> list[str]:
+    """The complete checkpoints under ``checkpoint_dir``, oldest step first: the ``step_<N>``
+    directories holding a ``state.json`` (written last)."""
+    found = [storage.join(checkpoint_dir, n) for n in storage.list_dirs(checkpoint_dir)
+             if checkpoint_step(n) is not None]
+    return sorted((c for c in found if storage.exists(storage.join(c, STATE))), key=checkpoint_step)
 
 
-def find_checkpoint(resume: str) -> Path:
-    """The checkpoint ``resume=<path>`` names: the path itself if it is one, else the latest complete
-    checkpoint of the run directory it names. A ConfigError naming ``resume`` if there is none."""
-    p = Path(resume).expanduser().resolve()
-    if not p.is_dir():
+def _is_run_dir(location: str) -> bool:
+    """A run directory: local, with the ``config.json`` every run writes when it starts."""
+    return not storage.is_url(location) and os.path.isfile(os.path.join(location, "config.json"))
+
+
+def run_checkpoint_dir(run_dir: str) -> str:
+    """Where the run in ``run_dir`` writes its checkpoints: ``trainer.checkpoint_dir`` of its
+    ``config.json`` if set, else ``<run_dir>/checkpoints``."""
+    cfg = os.path.join(run_dir, "config.json")
+    recorded = json.loads(Path(cfg).read_text()).get("trainer", {}).get("checkpoint_dir") if os.path.isfile(cfg) \
+        else None
+    return recorded or os.path.join(run_dir, CHECKPOINTS)
+
+
+def find_checkpoint(resume: str) -> str:
+    """The checkpoint ``resume=<location>`` names: the location itself if it is one (named
+    ``step_<N>`` or holding a ``state.json``), else the latest complete checkpoint of the run
+    directory it names (see ``run_checkpoint_dir``) or of the checkpoint directory it names (a path
+    or fsspec URL holding ``step_<N>`` directories). A ConfigError naming ``resume`` if there is none."""
+    loc = storage.normalize(resume).rstrip("/")
+    if not storage.exists(loc):
         raise ConfigError(f"resume={resume!r}: no such directory")
-    if p.name.endswith(".partial"):
+    if loc.endswith(".partial"):
         raise ConfigError(f"resume={resume!r}: an incomplete checkpoint (its writer did not finish); "
-                          f"resume={str(p.parent.parent)!r} takes the run's latest complete one")
-    if checkpoint_step(p) is not None:
-        return p
-    found = complete_checkpoints(p)
+                          f"resume={posixpath.dirname(loc)!r} takes the latest complete one there")
+    if checkpoint_step(loc) is not None or storage.exists(storage.join(loc, STATE)):
+        return loc
+    where = run_checkpoint_dir(loc) if _is_run_dir(loc) else loc
+    found = complete_checkpoints(where)
     if not found:
-        partial = sorted(x.name for x in (p / CHECKPOINTS).glob("*.partial"))
-        raise ConfigError(f"resume={resume!r}: no complete checkpoint in {p / CHECKPOINTS}"
+        names = storage.list_dirs(where)
+        partial = [n for n in names if n.endswith(".partial") or checkpoint_step(n) is not None]
+        raise ConfigError(f"resume={resume!r}: no complete checkpoint in {where}"
                           + (f" (only incomplete ones: {', '.join(partial)})" if partial else "")
                           + "; a run writes them with trainer.checkpoint_every=N, `disagg ctl checkpoint` "
                             "or `disagg ctl stop`")
@@ -72,8 +102,12 @@ def find_checkpoint(resume: str) -> Path:
 class ResumePoint:
     """What a resumed run continues from (``state.json`` of the checkpoint)."""
 
-    checkpoint: Path
-    run_dir: Path
+    checkpoint: str
+    """The checkpoint: a path or an fsspec URL (each process loads it from its node's copy)."""
+    checkpoint_dir: str
+    """The directory holding it and the run's other checkpoints."""
+    run_dir: Path | None
+    """The run directory to continue in; None: not on this machine (a new one holds what follows)."""
     step: int
     """The last step the checkpoint holds; the resumed run's first step is ``step + 1``."""
     policy_version: int
@@ -93,22 +127,40 @@ class ResumePoint:
         return self.step + 1
 
 
+def _resumed_run_dir(resume: str, ckpt: str, state: dict) -> Path | None:
+    """The run directory a resume continues in: the one ``resume`` names; else the one the
+    checkpoint's ``state.json`` records, if it is a directory here (None if not); for a checkpoint
+    written before ``state.json`` recorded it, the run directory of ``<run_dir>/checkpoints/``."""
+    target = storage.normalize(resume)
+    if _is_run_dir(target):
+        return Path(target)
+    if "run_dir" in state:
+        return Path(state["run_dir"]) if os.path.isdir(state["run_dir"]) else None
+    if not storage.is_url(ckpt) and posixpath.basename(posixpath.dirname(ckpt)) == CHECKPOINTS:
+        return Path(ckpt).parent.parent
+    return None
+
+
 def load_resume(cfg: Config) -> ResumePoint:
     """The checkpoint ``cfg.resume`` names and the checks that ``cfg`` can continue from it."""
     assert cfg.resume is not None
     ckpt = find_checkpoint(cfg.resume)
-    run_dir = ckpt.parent.parent
-    if cfg.run_dir is not None and Path(cfg.run_dir).expanduser().resolve() != run_dir:
+    ckpt_dir = posixpath.dirname(ckpt)
+    if not storage.exists(storage.join(ckpt, STATE)):
+        raise ConfigError(f"resume={cfg.resume!r}: {ckpt} has no {STATE} (an incomplete checkpoint, or not a disagg "
+                          "checkpoint)")
+    state = json.loads(storage.read_text(storage.join(ckpt, STATE)))
+    run_dir = _resumed_run_dir(cfg.resume, ckpt, state)
+    if cfg.run_dir is not None and run_dir is not None and \
+            os.path.realpath(os.path.expanduser(cfg.run_dir)) != os.path.realpath(run_dir):
         raise ConfigError(f"resume={cfg.resume!r} continues the run in {run_dir}, but run_dir={cfg.run_dir!r}: "
                           "leave run_dir unset")
-    later = [p.name for p in complete_checkpoints(run_dir) if checkpoint_step(p) > checkpoint_step(ckpt)]
+    later = [posixpath.basename(p) for p in complete_checkpoints(ckpt_dir)
+             if checkpoint_step(p) > checkpoint_step(ckpt)]
     if later:
-        raise ConfigError(f"resume={cfg.resume!r}: {ckpt.name} is not the run's latest checkpoint (later: "
-                          f"{', '.join(later)}) and resuming would rewind the run over them: delete them first, or "
-                          f"resume={str(run_dir)!r} for the latest")
-    if not (ckpt / "state.json").is_file():
-        raise ConfigError(f"resume={cfg.resume!r}: {ckpt} has no state.json (not a disagg checkpoint)")
-    state = json.loads((ckpt / "state.json").read_text())
+        raise ConfigError(f"resume={cfg.resume!r}: {posixpath.basename(ckpt)} is not the run's latest checkpoint "
+                          f"(later: {', '.join(later)}) and resuming would rewind the run over them: delete them "
+                          f"first, or resume={ckpt_dir!r} for the latest")
     step, version = int(state["step"]), int(state["policy_version"])
     if version != step + 1:
         raise ConfigError(f"resume={cfg.resume!r}: {ckpt}/state.json has step {step} with policy_version {version}; "
@@ -120,7 +172,7 @@ def load_resume(cfg: Config) -> ResumePoint:
     if cfg.algorithm.kl_coef > 0 and not (base and Path(base).is_dir()):
         raise ConfigError(f"algorithm.kl_coef={cfg.algorithm.kl_coef}: the KL reference is the run's base model "
                           f"{base!r} (from {ckpt}/state.json), which is not a directory here")
-    return ResumePoint(ckpt, run_dir, step, version, int(state["data_cursor"]),
+    return ResumePoint(ckpt, ckpt_dir, run_dir, step, version, int(state["data_cursor"]),
                        tuple(state.get("data_pending", ())), dict(state.get("counts", {})),
                        dict(state.get("scheduler_counts", {})), base, state.get("num_trainer_workers"))
 
@@ -158,19 +210,23 @@ class ResumableSource:
         return sorted({self._drawn[g] for g in gids} | set(self._replay))
 
 
-def prune_checkpoints(run_dir: Path, keep: int, protect: Path | None = None) -> list[Path]:
-    """Delete all but the newest ``keep`` complete checkpoints (never ``protect``) and every ``.partial``
-    one; returns what was deleted. ``keep=0`` deletes nothing. Call only between checkpoint writes:
-    a ``.partial`` directory then is a dead writer's."""
+def prune_checkpoints(checkpoint_dir: str, keep: int, protect: str | None = None) -> list[str]:
+    """Delete all but the newest ``keep`` complete checkpoints under ``checkpoint_dir`` (never
+    ``protect``) and every incomplete one (``.partial``, or ``step_<N>`` without ``state.json``);
+    returns what was deleted. ``keep=0`` deletes nothing. Call only between checkpoint writes: an
+    incomplete checkpoint then is a dead writer's."""
     if keep == 0:
         return []
-    root = run_dir / CHECKPOINTS
-    gone = [p for p in complete_checkpoints(run_dir)[:-keep] if p != protect]
-    gone += sorted(root.glob("*.partial"))
+    complete = complete_checkpoints(checkpoint_dir)
+    gone = [p for p in complete[:-keep] if p != protect]
+    gone += [storage.join(checkpoint_dir, n) for n in storage.list_dirs(checkpoint_dir)
+             if n.endswith(".partial") or (checkpoint_step(n) is not None
+                                           and storage.join(checkpoint_dir, n) not in complete)]
     for p in gone:
-        shutil.rmtree(p)
+        storage.remove(p)
     if gone:
-        log.info("deleted checkpoints %s (trainer.keep_checkpoints=%d)", ", ".join(p.name for p in gone), keep)
+        log.info("deleted checkpoints %s (trainer.keep_checkpoints=%d)", ", ".join(posixpath.basename(p) for p in gone),
+                 keep)
     return gone
 
 

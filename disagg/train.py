@@ -11,18 +11,23 @@ loads the checkpoint, its first sync is version N + 1, its first step N + 1.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import os
 import time
 from pathlib import Path
 
+from disagg import storage
 from disagg.cluster import write_placement
 from disagg.config import Config
 from disagg.job import Job
 from disagg.metrics import MetricsWriter, plot_rewards, reward_summary
 from disagg.model.warmstart import prepare_model
 from disagg.pipeline import Pipeline
-from disagg.resume import ResumableSource, ResumePoint, config_changes, load_resume, prune_checkpoints
+from disagg.paths import check_outside_ray_package
+from disagg.resume import (ResumableSource, ResumePoint, config_changes, default_checkpoint_dir, load_resume,
+                           prune_checkpoints)
 from disagg.scoring import Scorer
 from disagg.tasks.base import PromptSource, get_reward
 from disagg.tasks.sandbox import require_filesystem_isolation
@@ -79,24 +84,31 @@ def run(cfg: Config, run_dir: Path) -> Path:
 
     resume = load_resume(cfg) if cfg.resume else None
     if resume is not None:
-        log.info("resuming the run in %s from %s (step %d, policy version %d)", resume.run_dir, resume.checkpoint,
+        if resume.run_dir is None:
+            log.info("the run directory of %s is not on this machine: the resumed run goes on in %s",
+                     resume.checkpoint, run_dir)
+        run_dir = resume.run_dir or run_dir
+        log.info("resuming the run in %s from %s (step %d, policy version %d)", run_dir, resume.checkpoint,
                  resume.step, resume.policy_version)
-        run_dir = resume.run_dir
+    cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer,
+                                                               checkpoint_dir=_checkpoint_dir(cfg, run_dir, resume)))
     run_dir.mkdir(parents=True, exist_ok=True)
+    log.info("run directory: %s; checkpoints: %s", run_dir,
+             cfg.trainer.checkpoint_dir or default_checkpoint_dir(run_dir))
     changes = _config_changes(run_dir, cfg) if resume else {}
     (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
     # A checkpoint is a complete model directory: the trainer loads its weights, the engines its
-    # architecture and tokenizer (they start on dummy weights either way).
+    # architecture and tokenizer (they start on dummy weights either way), each from its node's copy.
     model_path = resume.checkpoint if resume else prepare_model(cfg)
     base_model = resume.base_model_path if resume else str(model_path)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    tokenizer = AutoTokenizer.from_pretrained(storage.local_copy(str(model_path), cfg.model.cache_dir))
     metrics = MetricsWriter(run_dir, tensorboard=cfg.logging.tensorboard, resume_step=resume.step if resume else None)
     job = Job.start(cfg, run_dir, model_path)
     try:
         write_placement(job)
         first_step = 1  # the initial weights are version first_step (the pipeline's convention)
         if resume is not None:
-            _restore(job, cfg, resume, metrics.num_dropped, changes)
+            _restore(job, cfg, resume, run_dir, metrics.num_dropped, changes)
             first_step = resume.first_step
         sync = job.sync_weights(first_step, trainer_step=first_step - 1)
         log.info("initial weights (version %d) synced: %d bytes in %.3fs", first_step, sync.bytes, sync.seconds)
@@ -111,9 +123,10 @@ def run(cfg: Config, run_dir: Path) -> Path:
             path = job.save_checkpoint(step, version, {
                 "data_cursor": source.cursor, "data_pending": source.pending(untrained),
                 "counts": dict(pipeline.counts), "scheduler_counts": dict(pipeline.sched.counts),
-                "base_model_path": base_model, "num_trainer_workers": cfg.trainer.num_workers})
+                "base_model_path": base_model, "num_trainer_workers": cfg.trainer.num_workers,
+                "run_dir": str(run_dir)})
             written[step] = path
-            prune_checkpoints(run_dir, cfg.trainer.keep_checkpoints, resume.checkpoint if resume else None)
+            prune_checkpoints(job.checkpoint_dir, cfg.trainer.keep_checkpoints, resume.checkpoint if resume else None)
             return path
 
         def on_step(step: int, rec: dict) -> None:
@@ -153,23 +166,39 @@ def run(cfg: Config, run_dir: Path) -> Path:
     return run_dir
 
 
+def _checkpoint_dir(cfg: Config, run_dir: Path, resume: ResumePoint | None) -> str | None:
+    """``trainer.checkpoint_dir`` as this run uses it: a path made absolute (never inside a Ray
+    package) or a URL; unset, a resumed run keeps the directory of the checkpoint it resumed from;
+    None = ``<run_dir>/checkpoints``."""
+    value = cfg.trainer.checkpoint_dir
+    if value is not None:
+        where = storage.normalize(value)
+        if not storage.is_url(where):
+            check_outside_ray_package(Path(where), "trainer.checkpoint_dir", value, "/shared/checkpoints/<name>")
+        return where
+    if resume is None or (not storage.is_url(resume.checkpoint_dir) and os.path.realpath(resume.checkpoint_dir)
+                          == os.path.realpath(default_checkpoint_dir(run_dir))):
+        return None
+    return resume.checkpoint_dir
+
+
 def _config_changes(run_dir: Path, cfg: Config) -> dict[str, list]:
     """What differs from the config the run last started with (its ``config.json``)."""
     old = run_dir / "config.json"
     return config_changes(json.loads(old.read_text()), cfg.to_dict()) if old.exists() else {}
 
 
-def _restore(job: Job, cfg: Config, resume: ResumePoint, metrics_dropped: int, changes: dict) -> None:
+def _restore(job: Job, cfg: Config, resume: ResumePoint, run_dir: Path, metrics_dropped: int, changes: dict) -> None:
     """Load the checkpoint's optimizer, scheduler and RNG state into the trainer (its weights were
     loaded at start) and append what was restored to ``<run_dir>/resume.jsonl``."""
     reference = resume.base_model_path if cfg.algorithm.kl_coef > 0 else None
-    trainer = job.trainer.load_checkpoint(str(resume.checkpoint), reference)
+    trainer = job.trainer.load_checkpoint(resume.checkpoint, reference)
     entry = {"time_unix_s": time.time(), "checkpoint": str(resume.checkpoint), "step": resume.step,
              "policy_version": resume.policy_version, "num_trainer_workers_saved": resume.num_trainer_workers,
              "num_trainer_workers": cfg.trainer.num_workers, "data_cursor": resume.data_cursor,
              "data_replayed": list(resume.data_replay), "metrics_records_removed": metrics_dropped,
              "trainer": trainer, "config_changes": changes}
-    with (resume.run_dir / "resume.jsonl").open("a") as f:
+    with (run_dir / "resume.jsonl").open("a") as f:
         f.write(json.dumps(entry) + "\n")
     kept = [k for k in ("trainer.lr", "trainer.betas", "trainer.weight_decay") if k in changes]
     if kept:

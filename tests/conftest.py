@@ -31,13 +31,14 @@ SMALL_CLI = [
 ]
 
 
-def disagg_process(args: list[str], **kw):
-    """``python -m disagg ARGS`` as a user runs it, output captured as text, unbuffered."""
+def disagg_process(args: list[str], env: dict[str, str] | None = None, **kw):
+    """``python -m disagg ARGS`` as a user runs it, output captured as text, unbuffered; ``env``
+    is added to this process's environment."""
     import subprocess
     import sys
 
     return subprocess.Popen([sys.executable, "-m", "disagg", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}, **kw)
+                            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, **kw)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -20,6 +20,7 @@ from typing import Any
 
 from disagg.config import AgentConfig
 from disagg.rollout.types import Completion, GenResult, SamplingSpec
+from disagg.storage import local_copy
 
 log = logging.getLogger("disagg.agent")
 
@@ -29,7 +30,7 @@ class AgentRunner:
 
     def __init__(self, cfg: AgentConfig, model_path: str, addresses: dict[int, str], served_model_name: str,
                  tool_call_parser: str, max_model_len: int, log_level: str = "INFO",
-                 require_sandbox_isolation: bool = False) -> None:
+                 cache_dir: str = "~/.cache/disagg", require_sandbox_isolation: bool = False) -> None:
         from transformers import AutoTokenizer
 
         from disagg.agent.client import RoutedCompletions
@@ -44,7 +45,7 @@ class AgentRunner:
             from disagg.tasks.sandbox import require_filesystem_isolation
 
             require_filesystem_isolation()
-        tok = AutoTokenizer.from_pretrained(model_path)
+        tok = AutoTokenizer.from_pretrained(local_copy(model_path, cache_dir))  # a checkpoint at a URL: copied here
         self.fmt = ChatFormat(tok)
         self.tools = ToolRegistry.from_config(list(cfg.tools), python_timeout_s=cfg.python_timeout_s,
                                               max_result_chars=cfg.max_tool_result_chars)

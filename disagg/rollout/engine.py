@@ -34,6 +34,7 @@ from disagg.errors import ChecksumError, EngineDeadError, RolloutError
 from disagg.logs import await_logged, setup_logging
 from disagg.rollout import vllm_api
 from disagg.rollout.types import Completion, GenRequest, GenResult, SamplingSpec, SyncReport
+from disagg.storage import local_copy
 
 log = logging.getLogger("disagg.rollout")
 
@@ -76,11 +77,12 @@ class EngineActor:
 
     def __init__(self, engine_id: int, model_path: str, cfg: RolloutConfig, coordinator: Any,
                  rpc_timeout_s: float, seed: int = 0, log_level: str = "INFO",
-                 transport_cfg: TransportConfig | None = None):
+                 transport_cfg: TransportConfig | None = None, cache_dir: str = "~/.cache/disagg"):
         setup_logging(f"rollout:{engine_id}", log_level)
         pin_process(cfg.cpu_affinity, f"engine {engine_id}")
         self.engine_id = engine_id
-        self.model_path = model_path
+        # A local model directory, or a checkpoint at an fsspec URL: this node's copy of it.
+        self.model_path = str(local_copy(model_path, cache_dir))
         self.cfg = cfg
         self.transport_cfg = transport_cfg or TransportConfig()
         self.seed = seed

@@ -75,7 +75,7 @@ class RolloutPool:
             runtime_env={"env_vars": env},
             max_concurrency=1000,
         ).remote(eid, self.model_path, cfg.rollout, self.coordinator, cfg.control.rpc_timeout_s,
-                 cfg.trainer.seed + 1000 * eid, cfg.logging.level, cfg.transport)
+                 cfg.trainer.seed + 1000 * eid, cfg.logging.level, cfg.transport, cfg.model.cache_dir)
         with self._lock:
             self._slots[eid] = (pg, bundle_indices, own_pg)
         return eid, handle

@@ -43,7 +43,7 @@ class TrainerGroup:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle[i]),
                 name=None,
             ).remote(i, n, model_path, cfg.trainer, cfg.algorithm, cfg.transport, cfg.rollout.temperature, device,
-                     cfg.logging.level)
+                     cfg.logging.level, cfg.model.cache_dir)
             for i in range(n)
         ]
         master_addr = master_port = None

@@ -16,7 +16,6 @@ import os
 import time
 from collections import deque
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,6 +24,7 @@ from disagg.cluster import freeze_heap, pin_process
 from disagg.config import AlgorithmConfig, TrainerConfig, TransportConfig
 from disagg.logs import setup_logging
 from disagg.samples import TrainSample
+from disagg.storage import local_copy, writable_dir
 from disagg.trainer.grpo import linear_warmup, ppo_clip_loss, token_logprobs
 from disagg.trainer.snapshot import Snapshots
 
@@ -35,10 +35,12 @@ class TrainerWorker:
     """Wrapped with ``ray.remote`` by ``TrainerGroup``."""
 
     def __init__(self, rank: int, world_size: int, model_path: str, cfg: TrainerConfig, algo: AlgorithmConfig,
-                 transport: TransportConfig, temperature: float, device: str, log_level: str = "INFO"):
+                 transport: TransportConfig, temperature: float, device: str, log_level: str = "INFO",
+                 cache_dir: str = "~/.cache/disagg"):
         setup_logging(f"trainer:{rank}", log_level)
         self.rank, self.world_size = rank, world_size
-        self.model_path = model_path
+        self.model_path = model_path  # a local directory, or a checkpoint at an fsspec URL (copied in setup)
+        self.cache_dir = cache_dir  # model.cache_dir: this node's copies of checkpoints at URLs
         self.cfg, self.algo, self.transport_cfg = cfg, algo, transport
         self.temperature = temperature
         self.device = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
@@ -79,6 +81,7 @@ class TrainerWorker:
         """Load the model and optimizer; join the trainer group when sharded."""
         from transformers import AutoModelForCausalLM
 
+        self.model_path = str(local_copy(self.model_path, self.cache_dir))
         torch.manual_seed(self.cfg.seed + self.rank)
         if self.world_size > 1:
             import torch.distributed as dist
@@ -252,26 +255,26 @@ class TrainerWorker:
         Every rank must call this (under FSDP the full state dicts are gathered collectively);
         rank 0 writes the model and the full optimizer state keyed by parameter name, so
         ``load_checkpoint`` loads a checkpoint written by N workers into M. Each rank writes its
-        own RNG state.
+        own RNG state. ``path`` is a directory every rank reaches or an fsspec URL (each rank copies
+        its files up).
         """
         from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                              get_optimizer_state_dict)
 
-        out = Path(path)
-        out.mkdir(parents=True, exist_ok=True)
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
         if self.world_size > 1:
             model_sd = get_model_state_dict(self.model, options=opts)
         else:
             model_sd = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
         optim_sd = get_optimizer_state_dict(self.model, self.opt, options=opts)
-        torch.save({"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if
-                    torch.cuda.is_available() else None}, out / f"rng_rank{self.rank}.pt")
-        if self.rank == 0:
-            self.model.save_pretrained(out, state_dict=model_sd, safe_serialization=True)
-            torch.save({"optimizer": optim_sd, "scheduler": self.sched.state_dict(), "world_size": self.world_size},
-                       out / "optimizer.pt")
-        return {"rank": self.rank, "path": str(out)}
+        with writable_dir(path) as out:  # a URL: written here, then copied up
+            torch.save({"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if
+                        torch.cuda.is_available() else None}, out / f"rng_rank{self.rank}.pt")
+            if self.rank == 0:
+                self.model.save_pretrained(out, state_dict=model_sd, safe_serialization=True)
+                torch.save({"optimizer": optim_sd, "scheduler": self.sched.state_dict(),
+                            "world_size": self.world_size}, out / "optimizer.pt")
+        return {"rank": self.rank, "path": path}
 
     def load_checkpoint(self, path: str, reference_path: str | None = None) -> dict[str, Any]:
         """Load a checkpoint's optimizer, scheduler and RNG state (``setup`` loaded its weights: the
@@ -285,7 +288,7 @@ class TrainerWorker:
         """
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-        src = Path(path)
+        src = local_copy(path, self.cache_dir)
         saved = torch.load(src / "optimizer.pt", map_location="cpu", mmap=True, weights_only=True)
         set_optimizer_state_dict(self.model, self.opt, saved["optimizer"],
                                  options=StateDictOptions(full_state_dict=True))

@@ -9,8 +9,12 @@ import time
 from contextlib import redirect_stdout
 from pathlib import Path
 
+import pytest
+
 from disagg.metrics import REQUIRED_KEYS
 from tests.conftest import SMALL_CLI, disagg_process
+
+REPO = Path(__file__).resolve().parents[2]
 
 SMALL_ARGS = ["trainer.total_steps=3", *SMALL_CLI]
 
@@ -79,6 +83,44 @@ def test_invalid_config_fails_before_any_actor_starts(tmp_path):
     assert "trainer.num_workers=0" in err
     assert "Ray" not in out + err.replace("trainer.num_workers=0", "")
     assert time.monotonic() - t0 < 60
+
+
+def _from_a_ray_package(tmp_path: Path, args: list[str], env: dict[str, str]) -> tuple[int, str, Path]:
+    """`disagg train ARGS` started where a `ray job submit --working-dir` driver starts: in the
+    session's unpacked package. trainer.num_workers=0 ends it at validation, after hydra made the
+    run directory. Returns (exit status, stderr, the package)."""
+    pkg = tmp_path / "session_1" / "runtime_resources" / "working_dir_files" / "_ray_pkg_0a1b2c"
+    pkg.mkdir(parents=True)
+    proc = disagg_process(["train", "trainer.num_workers=0", *args], cwd=pkg,
+                          env={"PYTHONPATH": str(REPO), "HOME": str(tmp_path / "home"), **env})
+    _, err = proc.communicate(timeout=120)
+    return proc.returncode, err, pkg
+
+
+def test_a_driver_in_a_ray_package_puts_its_run_in_home_and_never_in_the_package(tmp_path):
+    rc, err, pkg = _from_a_ray_package(tmp_path, [], {"DISAGG_RUNS_DIR": ""})
+    assert rc == 2 and "trainer.num_workers=0" in err  # it got past the run directory
+    (run_dir,) = (tmp_path / "home" / "disagg-runs").iterdir()
+    assert (run_dir / ".hydra" / "config.yaml").is_file()
+    assert list(pkg.iterdir()) == []
+    # $DISAGG_RUNS_DIR, when set, is the root instead.
+    rc, err, pkg = _from_a_ray_package(tmp_path / "env", [], {"DISAGG_RUNS_DIR": str(tmp_path / "mine")})
+    assert rc == 2 and len(list((tmp_path / "mine").iterdir())) == 1 and list(pkg.iterdir()) == []
+
+
+@pytest.mark.parametrize("args, env, key", [
+    (["logging.root_dir=runs"], {}, "logging.root_dir='runs'"),
+    ([], {"DISAGG_RUNS_DIR": "runs"}, "DISAGG_RUNS_DIR='runs'"),
+    (["hydra.run.dir=runs/x"], {}, "hydra.run.dir='runs/x'"),
+    (["run_dir=runs/x"], {}, "run_dir='runs/x'"),
+])
+def test_a_run_directory_inside_a_ray_package_is_refused_before_anything_is_written(tmp_path, args, env, key):
+    rc, err, pkg = _from_a_ray_package(tmp_path, args, {"DISAGG_RUNS_DIR": "", **env})
+    assert rc == 2
+    assert f"disagg: invalid config: {key} resolves to {pkg / 'runs'}" in err
+    assert f"Set {key.split('=')[0]} to an absolute path outside it" in err
+    assert "Traceback" not in err
+    assert list(pkg.iterdir()) == []
 
 
 def test_ctl_without_address_is_a_usage_error(monkeypatch):

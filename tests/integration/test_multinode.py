@@ -1,6 +1,8 @@
 """Multi-node jobs: a two-node Ray cluster on this machine (two `ray start` processes, each
-node offering its own custom resource), `ray job submit --working-dir <repo>` of `disagg train`
-against it, the trainer and the engines on different nodes and the weight sync between them.
+node offering its own custom resource, token authentication on), `ray job submit --working-dir
+<repo>` of `python -m disagg train` against it as the README shows it: the trainer and the engines
+on different nodes and the weight sync between them, the run directory outside Ray's working-dir
+package, checkpoints at a file:// URL, and a second job that resumes from that URL.
 
 Everything is started through the real `ray` CLI in subprocesses of their own, in a temp dir of
 its own, on free ports; the teardown kills every process of that cluster (by process group,
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -23,6 +26,7 @@ from pathlib import Path
 
 import pytest
 
+from disagg.paths import ray_package_of
 from tests.conftest import SMALL_CLI
 
 REPO = Path(__file__).resolve().parents[2]
@@ -46,11 +50,16 @@ class TwoNodeCluster:
     def __init__(self, root: Path):
         self.root = root
         self.gcs_port, self.dashboard_port, self.client_port = _free_ports(3)
-        # The venv's bin first: `ray start` runs the job's driver and workers with this environment,
-        # as a cluster started from the venv where disagg is installed. Ray's default token
-        # authentication (~/.ray/auth_token) is made explicit: a joining node needs it set.
-        self.env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
-                    "RAY_AUTH_MODE": "token", "RAY_DEDUP_LOGS": "0"}
+        # `.venv/bin/ray start` without the venv on PATH, as a newcomer runs it: Ray starts its
+        # workers with the venv's Python, but a job's entrypoint is a shell command looked up on
+        # this PATH, so the job names the venv's Python by its absolute path. Token authentication
+        # as the README sets it up: RAY_AUTH_MODE=token and one token, shared through RAY_AUTH_TOKEN,
+        # on both nodes and in the shell that runs `ray job submit`.
+        venv_bin = str(Path(sys.executable).parent)
+        path = os.pathsep.join(p for p in os.environ.get("PATH", "").split(os.pathsep) if p != venv_bin)
+        self.env = {**os.environ, "PATH": path, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32),
+                    "RAY_DEDUP_LOGS": "0"}
+        self.env.pop("RAY_AUTH_TOKEN_PATH", None)
         self.env.pop("RAY_ADDRESS", None)
         self.procs: list[subprocess.Popen] = []
         self.nodes: list[dict] = []
@@ -67,6 +76,10 @@ class TwoNodeCluster:
     @property
     def dashboard(self) -> str:
         return f"http://127.0.0.1:{self.dashboard_port}"
+
+    def working_dir_packages(self) -> list[Path]:
+        """The head's unpacked `--working-dir` uploads (the jobs' drivers start in them)."""
+        return sorted((self.root / "head").glob("session_*/runtime_resources/working_dir_files/_ray_pkg_*"))
 
     def _start(self, name: str, resources: dict, args: list[str]) -> None:
         # Two nodes on one host: each its own temp dir and its own agent/manager ports (the
@@ -188,15 +201,8 @@ def _job_status(cluster: TwoNodeCluster, job_id: str) -> str:
     return jobs[0]["status"] if jobs else "UNKNOWN"
 
 
-def test_ray_job_submit_places_trainer_and_engines_on_different_nodes(two_nodes, model_cache, tmp_path):
-    cluster = two_nodes
-    run_dir = tmp_path / "run"
-    job_id = f"disagg-multinode-{os.getpid()}"
-    entrypoint = [
-        "disagg", "train", f"trainer.total_steps={STEPS}", *SMALL_CLI, f"model.cache_dir={model_cache}",
-        f"run_dir={run_dir}", f"hydra.run.dir={run_dir}", f"logging.root_dir={tmp_path}",
-        "+cluster.trainer_resources.trainer_node=1", "+cluster.rollout_resources.rollout_node=1",
-    ]
+def _submit(cluster: TwoNodeCluster, job_id: str, entrypoint: list[str]) -> tuple[str, str]:
+    """`ray job submit --working-dir <repo>`; waits for the job's end: (status, its log)."""
     t0 = time.monotonic()
     # The upload follows .gitignore, so it carries no generated gRPC stubs: the uploaded package
     # (first on the path of the driver and every actor) generates them from protos/ on import.
@@ -207,12 +213,44 @@ def test_ray_job_submit_places_trainer_and_engines_on_different_nodes(two_nodes,
     while status in ("PENDING", "RUNNING", "UNKNOWN") and time.monotonic() < deadline:
         time.sleep(2)
         status = _job_status(cluster, job_id)
-    wall_s = time.monotonic() - t0
     logs = cluster.ray("job", "logs", job_id, "--address", cluster.dashboard, timeout_s=60).stdout
     if status in ("PENDING", "RUNNING", "UNKNOWN"):
         cluster.ray("job", "stop", job_id, "--address", cluster.dashboard, "--no-wait", timeout_s=60)
+    wall_s = time.monotonic() - t0
     print(f"job {job_id}: {status} after {wall_s:.0f}s")
     assert status == "SUCCEEDED", f"job {job_id} ended {status} after {wall_s:.0f}s; its log:\n{logs[-12000:]}"
+    return status, logs
+
+
+def _train_entrypoint(home: Path, model_cache: Path, *args: str) -> list[str]:
+    # The README's entrypoint: the venv's Python by absolute path (`$PWD/.venv/bin/python`), no
+    # run directory given. `env HOME=` keeps the driver's default root (~/disagg-runs, the one for
+    # a driver inside Ray's package) in this test's temp dir; the actors keep their HOME.
+    return ["env", f"HOME={home}", sys.executable, "-m", "disagg", "train", *SMALL_CLI,
+            f"model.cache_dir={model_cache}", "+cluster.trainer_resources.trainer_node=1",
+            "+cluster.rollout_resources.rollout_node=1", *args]
+
+
+def _records(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def first_job(two_nodes, model_cache, tmp_path_factory):
+    """`STEPS` steps submitted with no run directory and checkpoints to a file:// URL."""
+    tmp = tmp_path_factory.mktemp("job")
+    home, ckpt_url = tmp / "home", f"file://{tmp}/shared/ckpt"
+    home.mkdir()
+    _, logs = _submit(two_nodes, f"disagg-multinode-{os.getpid()}", _train_entrypoint(
+        home, model_cache, f"trainer.total_steps={STEPS}", f"trainer.checkpoint_every={STEPS}",
+        f"trainer.checkpoint_dir={ckpt_url}"))
+    return {"home": home, "ckpt_dir": tmp / "shared" / "ckpt", "ckpt_url": ckpt_url, "logs": logs,
+            "runs": sorted((home / "disagg-runs").iterdir())}
+
+
+def test_ray_job_submit_places_trainer_and_engines_on_different_nodes(two_nodes, first_job):
+    cluster, logs = two_nodes, first_job["logs"]
+    (run_dir,) = first_job["runs"]
 
     # Every trainer rank on the trainer_node node, every engine on the rollout_node node.
     trainer_node = cluster.node_with("trainer_node")["node_id"]
@@ -223,11 +261,49 @@ def test_ray_job_submit_places_trainer_and_engines_on_different_nodes(two_nodes,
     assert [(e["engine_id"], e["node_id"]) for e in placement["rollout"]] == [(0, rollout_node)], placement
 
     # The weights crossed between the nodes every step, and the engines served each new version.
-    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    recs = _records(run_dir)
     assert [r["step"] for r in recs] == list(range(1, STEPS + 1)), logs[-5000:]
     assert all(r["weight_sync/bytes"] > 0 and r["samples/trained"] > 0 for r in recs)
     assert [r["policy_version"] for r in recs] == list(range(2, STEPS + 2))
-    assert "run directory:" in logs
+
+
+def test_the_submitted_run_lives_outside_rays_package(two_nodes, first_job):
+    # The driver started inside Ray's working-dir package, so the run went to ~/disagg-runs.
+    (run_dir,) = first_job["runs"]
+    packages = two_nodes.working_dir_packages()
+    assert packages, "no unpacked working_dir on the head node"
+    assert ray_package_of(run_dir) is None and not any(run_dir.is_relative_to(p) for p in packages)
+    assert [p for p in packages if (p / "runs").exists()] == []  # nothing written into the package
+    assert f"run directory: {run_dir}" in first_job["logs"]
+    assert (run_dir / "metrics.jsonl").stat().st_size > 0 and (run_dir / "config.json").is_file()
+    # The checkpoint went to the URL, not into the run directory, and names the run it belongs to.
+    ckpt = first_job["ckpt_dir"] / f"step_{STEPS:06d}"
+    state = json.loads((ckpt / "state.json").read_text())
+    assert (state["step"], state["policy_version"], state["run_dir"]) == (STEPS, STEPS + 1, str(run_dir))
+    assert {"model.safetensors", "optimizer.pt", "rng_rank0.pt", "config.json"} <= {p.name for p in ckpt.iterdir()}
+    assert not (run_dir / "checkpoints").exists()
+
+
+def test_a_second_job_resumes_from_the_checkpoint_url(two_nodes, first_job, model_cache):
+    (run_dir,) = first_job["runs"]
+    url = first_job["ckpt_url"]
+    _, logs = _submit(two_nodes, f"disagg-multinode-resume-{os.getpid()}", _train_entrypoint(
+        first_job["home"], model_cache, f"resume={url}", f"trainer.total_steps={STEPS + 1}",
+        f"trainer.checkpoint_every={STEPS}"))
+    # It went on in the run directory the checkpoint records: steps, versions and metrics continue.
+    recs = _records(run_dir)
+    assert [r["step"] for r in recs] == list(range(1, STEPS + 2)), logs[-5000:]
+    assert [r["policy_version"] for r in recs] == list(range(2, STEPS + 3))
+    entry = json.loads((run_dir / "resume.jsonl").read_text())
+    assert (entry["checkpoint"], entry["step"]) == (f"{url}/step_{STEPS:06d}", STEPS)
+    # The trainer (one node) and the engine (the other) each loaded their node's copy of the
+    # checkpoint, and they hold the same weights: the engine's behaviour log-probs are the trainer's.
+    assert list(model_cache.glob(f"checkpoints/step_{STEPS:06d}-*/model.safetensors"))
+    assert recs[STEPS]["train/kl_behaviour"] < 1e-4
+    # The resumed run checkpoints to the URL it resumed from.
+    assert json.loads((run_dir / "config.json").read_text())["trainer"]["checkpoint_dir"] == url
+    state = json.loads((first_job["ckpt_dir"] / f"step_{STEPS + 1:06d}" / "state.json").read_text())
+    assert (state["step"], state["run_dir"]) == (STEPS + 1, str(run_dir))
 
 
 # Runs in a driver of its own on the cluster (no vLLM): node lists resolve to the named nodes,

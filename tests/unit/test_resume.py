@@ -1,13 +1,16 @@
-"""Resume planning without Ray: which checkpoint `resume=` picks, the checks on it, pruning,
-the replayed prompt stream and the metrics file a resumed run continues."""
+"""Resume planning without Ray: which checkpoint `resume=` picks (at a path or an fsspec URL),
+the checks on it, pruning, the replayed prompt stream and the metrics file a resumed run continues."""
 
 from __future__ import annotations
 
 import json
+import posixpath
+import uuid
 from pathlib import Path
 
 import pytest
 
+from disagg import storage
 from disagg.config import load_config
 from disagg.errors import ConfigError
 from disagg.metrics import MetricsWriter, read_metrics
@@ -17,6 +20,8 @@ from disagg.tasks.reverse import ReverseDigitsSource
 
 
 def _checkpoint(run_dir: Path, step: int, partial: bool = False, **state) -> Path:
+    """A checkpoint in a run directory's default place (the run's config.json written as at its start)."""
+    (run_dir / "config.json").write_text(json.dumps({"trainer": {"checkpoint_dir": None}}))
     p = run_dir / "checkpoints" / (f"step_{step:06d}" + (".partial" if partial else ""))
     p.mkdir(parents=True)
     (p / "state.json").write_text(json.dumps({"step": step, "policy_version": step + 1, "data_cursor": 4 * step,
@@ -42,13 +47,14 @@ def test_a_run_dir_resumes_from_its_latest_complete_checkpoint(tmp_path, steps, 
         _checkpoint(tmp_path, s)
     for s in partial:
         _checkpoint(tmp_path, s, partial=True)
-    assert find_checkpoint(str(tmp_path)) == (tmp_path / "checkpoints" / f"step_{picked:06d}").resolve()
-    assert [p.name for p in complete_checkpoints(tmp_path)] == [f"step_{s:06d}" for s in sorted(steps)]
+    assert find_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoints" / f"step_{picked:06d}")
+    assert [Path(p).name for p in complete_checkpoints(str(tmp_path / "checkpoints"))] == \
+        [f"step_{s:06d}" for s in sorted(steps)]
 
 
 def test_a_checkpoint_dir_is_taken_as_named(tmp_path):
     ckpt = _checkpoint(tmp_path, 4)
-    assert find_checkpoint(str(ckpt)) == ckpt.resolve()
+    assert find_checkpoint(str(ckpt)) == str(ckpt)
 
 
 @pytest.mark.parametrize("layout", ["empty", "only_partial", "partial_named", "missing"])
@@ -78,7 +84,8 @@ def test_load_resume_reads_the_state_and_maps_steps_to_versions(tmp_path):
                 num_trainer_workers=2)
     point = load_resume(_cfg(tmp_path))
     assert (point.step, point.policy_version, point.first_step) == (5, 6, 6)
-    assert point.run_dir == tmp_path.resolve() and point.data_cursor == 20 and point.data_replay == (17, 19)
+    assert point.run_dir == tmp_path and point.data_cursor == 20 and point.data_replay == (17, 19)
+    assert point.checkpoint_dir == str(tmp_path / "checkpoints")
     assert point.counts == {"reward_errors": 2} and point.num_trainer_workers == 2
 
 
@@ -105,11 +112,98 @@ def test_load_resume_refuses_what_cannot_continue(tmp_path, name, data, needle):
 def test_prune_keeps_the_newest_and_the_protected_and_drops_dead_partials(tmp_path):
     ckpts = [_checkpoint(tmp_path, s) for s in (1, 2, 3, 4, 5)]
     _checkpoint(tmp_path, 6, partial=True)
-    assert prune_checkpoints(tmp_path, 0) == []
-    gone = prune_checkpoints(tmp_path, 2, protect=ckpts[1])
-    assert [p.name for p in gone] == ["step_000001", "step_000003", "step_000006.partial"]
-    assert [p.name for p in complete_checkpoints(tmp_path)] == ["step_000002", "step_000004", "step_000005"]
+    where = str(tmp_path / "checkpoints")
+    assert prune_checkpoints(where, 0) == []
+    gone = prune_checkpoints(where, 2, protect=str(ckpts[1]))
+    assert [Path(p).name for p in gone] == ["step_000001", "step_000003", "step_000006.partial"]
+    assert [Path(p).name for p in complete_checkpoints(where)] == ["step_000002", "step_000004", "step_000005"]
     assert not list((tmp_path / "checkpoints").glob("*.partial"))
+
+
+@pytest.fixture
+def memory_dir():
+    """A fresh directory on fsspec's in-process memory filesystem."""
+    where = f"memory://ckpt-{uuid.uuid4().hex[:8]}"
+    yield where
+    storage.remove(where)
+
+
+def _checkpoint_at(where: str, step: int, complete: bool = True, **state) -> str:
+    """A checkpoint under the checkpoint directory ``where`` (a path or URL), written the way
+    Job.save_checkpoint writes one at a URL: files first, state.json last."""
+    ckpt = storage.join(where, f"step_{step:06d}")
+    storage.write_text(storage.join(ckpt, "model.safetensors"), "weights")
+    if complete:
+        storage.write_text(storage.join(ckpt, "state.json"), json.dumps(
+            {"step": step, "policy_version": step + 1, "data_cursor": 4 * step, **state}))
+    return ckpt
+
+
+@pytest.mark.parametrize("kind", ["path", "file_url", "memory_url"])
+def test_a_checkpoint_dir_at_a_path_or_url_resumes_from_its_latest_complete_checkpoint(tmp_path, memory_dir, kind):
+    where = {"path": str(tmp_path / "ckpt"), "file_url": f"file://{tmp_path}/ckpt", "memory_url": memory_dir}[kind]
+    for s in (2, 4):
+        _checkpoint_at(where, s)
+    _checkpoint_at(where, 6, complete=False)  # a writer that died before state.json: never picked
+    storage.write_text(storage.join(where, "step_000008.partial", "x"), "")
+    assert find_checkpoint(where) == storage.join(where, "step_000004")
+    assert find_checkpoint(where + "/") == storage.join(where, "step_000004")
+    assert [posixpath.basename(p) for p in complete_checkpoints(where)] == ["step_000002", "step_000004"]
+    # Pruning there: the newest complete one and the protected one stay, every incomplete one goes.
+    gone = prune_checkpoints(where, 1, protect=storage.join(where, "step_000002"))
+    assert sorted(posixpath.basename(p) for p in gone) == ["step_000006", "step_000008.partial"]
+    assert storage.list_dirs(where) == ["step_000002", "step_000004"]
+    gone = prune_checkpoints(where, 1)
+    assert [posixpath.basename(p) for p in gone] == ["step_000002"]
+
+
+def test_a_url_with_only_incomplete_checkpoints_is_a_config_error_naming_them(memory_dir):
+    _checkpoint_at(memory_dir, 3, complete=False)
+    with pytest.raises(ConfigError) as e:
+        find_checkpoint(memory_dir)
+    assert str(e.value).startswith(f"resume={memory_dir!r}: no complete checkpoint")
+    assert "step_000003" in str(e.value)
+
+
+def test_resume_from_a_url_goes_on_in_the_run_dir_its_state_records(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    url = f"file://{tmp_path}/shared/ckpt"
+    ckpt = _checkpoint_at(url, 5, run_dir=str(run_dir))
+    point = load_resume(_cfg(url))
+    assert (point.checkpoint, point.checkpoint_dir, point.run_dir) == (ckpt, url, run_dir)
+    assert (point.step, point.policy_version) == (5, 6)
+    # On a machine without that directory the resume still loads: the new run directory holds what follows.
+    ckpt = _checkpoint_at(url, 7, run_dir=str(tmp_path / "elsewhere"))
+    point = load_resume(_cfg(ckpt))
+    assert point.checkpoint == ckpt and point.run_dir is None
+    # A run directory whose config.json names a checkpoint URL resumes from the latest checkpoint there.
+    (run_dir / "config.json").write_text(json.dumps({"trainer": {"checkpoint_dir": url}}))
+    point = load_resume(_cfg(run_dir))
+    assert (point.checkpoint, point.run_dir) == (storage.join(url, "step_000007"), run_dir)
+
+
+def test_a_shared_checkpoint_dir_named_checkpoints_is_not_taken_for_a_run_dir(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    shared = tmp_path / "shared" / "checkpoints"  # trainer.checkpoint_dir=/shared/checkpoints
+    _checkpoint_at(str(shared), 3, run_dir=str(run_dir))
+    assert load_resume(_cfg(shared)).run_dir == run_dir
+    with pytest.raises(ConfigError, match="no complete checkpoint"):
+        find_checkpoint(str(tmp_path / "shared"))  # no config.json: not a run directory
+
+
+@pytest.mark.parametrize("key, value, needle", [
+    ("resume", "memory://ckpt", "memory:// lives in one process"),
+    ("trainer.checkpoint_dir", "memory://ckpt", "memory:// lives in one process"),
+    ("trainer.checkpoint_dir", "nosuchfs://bucket/ckpt", "fsspec knows no protocol 'nosuchfs'"),
+])
+def test_checkpoint_locations_fsspec_cannot_share_are_config_errors(key, value, needle):
+    section, _, name = key.rpartition(".")
+    data = {"trainer": {name: value}} if section else {name: value}
+    with pytest.raises(ConfigError) as e:
+        load_config(data)
+    assert str(e.value).startswith(f"{key}={value!r}") and needle in str(e.value)
 
 
 def test_resumable_source_replays_untrained_rows_then_continues_at_the_cursor():
