@@ -5,6 +5,14 @@ test passes, else 0.0. Why it failed (``failed``, ``error``, ``timeout``,
 ``memory``, ``syntax``, ``no_code``) is counted in a process-wide counter that a
 caller logs as ``reward/code_<reason>``. The reward never runs model code in
 this process.
+
+The verdict is this process's: each test ``assert <expr> == <literal>`` (or another
+form of ``sandbox_checks.SUPPORTED``) is split so that only ``<expr>`` runs with the
+answer and its value is compared here, so the answer cannot fake a pass (an object
+equal to everything, an early exit, rewritten builtins or harness). A row whose
+tests are of another form raises ``ValueError`` naming the test; the reward worker
+scores that 0 and counts it (``samples/reward_errors``). The built-in templates
+below only write ``==`` and ``is True/False`` tests.
 """
 
 from __future__ import annotations
@@ -34,7 +42,9 @@ def extract_code(response: str) -> str:
 
 @register_reward("code_tests")
 def code_tests_reward(response: str, row: dict[str, Any]) -> float:
-    """1.0 if the answer passes ``row["tests"]`` (assert statements) in the sandbox, else 0.0."""
+    """1.0 if the answer passes ``row["tests"]`` (assert statements) in the sandbox, else 0.0.
+
+    Raises ``ValueError`` when a test is not of a form judged outside the answer's process."""
     result = run_python(extract_code(response), row["tests"])
     with _lock:
         _reasons[result.reason] += 1

@@ -1,4 +1,4 @@
-"""Run a model's Python answer against assert-style tests in a limited subprocess.
+"""Run a model's Python answer against assert tests in a limited subprocess, judged outside it.
 
 The answer runs in a fresh interpreter (``python -I -S -B``) in a temporary
 directory that is deleted afterwards, with stdin closed, a minimal environment,
@@ -20,7 +20,7 @@ against hostile code (no seccomp filter; the kernel is shared). Run code you do
 not trust inside a container or VM as well.
 
 Process layout. The exec'd interpreter is a supervisor that never runs user
-code: it forks one child that runs the answer then the tests, enforces the
+code: it forks one child that runs the answer then the tests' expressions, enforces the
 timeout by killing it, and, as a child subreaper, kills and reaps everything
 the child left behind before it exits, so no process and no zombie outlives a
 run. The caller SIGKILLs the supervisor's children and its process group as a
@@ -52,10 +52,15 @@ is the bound; otherwise it is set to the current thread count of the user the
 answer runs as (nobody, or the caller) plus ``_NPROC_MARGIN``. Either way the
 timeout kills the lot.
 
-A pass needs the tests to finish: the child reports its verdict with a nonce
-that is in neither file, so ``sys.exit(0)`` / ``os._exit(0)`` before the tests
-run scores as an error, not a pass. Objects with a forged ``__eq__`` still pass
-assert-based tests; that is a limit of such tests, not of this module.
+The verdict is the caller's, never the box's: the answer runs in the child, so it
+can rewrite anything there (frames, builtins, the harness, the results pipe). Each
+test ``assert <expr> == <literal>`` (``disagg.tasks.sandbox_checks``) is split: only
+``<expr>`` enters the box; the child reports its value as data of exact built-in
+types, and the caller compares that with the literal. A pass needs every test's
+value, each reported once and each holding, and the child to finish (so
+``os._exit(0)`` before the tests scores as an error). An object with a forged
+``__eq__`` is not data and fails; a value the answer writes itself is a guess at
+expected values that are in no file, argument or memory of the box.
 
 Linux only (/proc, unshare, prctl, mount). ``preexec_fn`` is what the limits and
 namespaces need; it runs Python between fork and exec, which CPython warns can
@@ -66,12 +71,12 @@ only calls pre-resolved libc functions, ``os`` system calls and ``setrlimit``.
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
 import math
 import os
 import platform
 import resource
-import secrets
 import signal
 import subprocess
 import tempfile
@@ -84,7 +89,8 @@ from pathlib import Path
 from typing import Literal
 
 from disagg.errors import SandboxError
-from disagg.tasks import sandbox_fs
+from disagg.tasks import sandbox_checks, sandbox_fs
+from disagg.tasks.sandbox_checks import Check
 from disagg.tasks.sandbox_fs import NOBODY
 
 log = logging.getLogger("disagg.sandbox")
@@ -105,6 +111,7 @@ _PID_MAX_IN_NS = 301  # the kernel's minimum pid_max: at most ~300 processes in 
 _GRACE_S = 2.0  # on top of timeout_s: interpreter start-up and reaping, before the caller's backstop kill
 _EXIT_TIMEOUT = 124  # supervisor's exit code when its timer killed the child
 _DETAIL_CHARS = 500
+_RESULTS_BYTES = 8 << 20  # what the caller keeps of the results pipe: the tests' values, encoded
 _MEMORY_HINTS = ("MemoryError", "Cannot allocate memory", "out of memory")
 
 
@@ -113,8 +120,9 @@ class SandboxResult:
     passed: bool
     reason: Reason
     detail: str
-    """Last non-empty line of the answer's stderr (the exception), at most 500 characters;
-    a note of ours when that is empty and the run timed out or exited early."""
+    """At most 500 characters: for a test that does not hold (judged here), the test and its expression's
+    value ("AssertionError: assert add(2, 3) == 5 (add(2, 3) was -1)"); else the last non-empty line of the
+    answer's stderr (the exception), or a note of ours when that is empty and the run timed out or exited early."""
     seconds: float
     """Wall time of the whole run, start-up and clean-up included."""
     network_isolation: Literal["netns", "prelude"] | None = None
@@ -136,7 +144,15 @@ class SandboxResult:
 def run_python(code: str, tests: str, *, timeout_s: float = 5.0, memory_bytes: int = 256 << 20,
                max_output_bytes: int = 64 << 10, use_namespaces: bool = True,
                filesystem: Filesystem | None = None) -> SandboxResult:
-    """Run ``code`` then ``tests`` (assert statements) in one namespace, in a sandboxed subprocess.
+    """Run ``code`` in a sandboxed subprocess and judge ``tests`` (assert statements) against it.
+
+    Each test's expression is evaluated in the answer's namespace, in order, and compared here
+    (``sandbox_checks``); tests of another form raise ``ValueError`` naming the test
+    (``sandbox_checks.parse_tests`` says why they are refused, not run with the answer). The
+    first test that does not hold gives the reason: "failed" (its value differs, or is not data:
+    exact None, bool, int, float, complex, str, bytes, list, tuple, set, frozenset or dict, so an
+    int subclass or a numpy scalar fails), "error" (it raised), else the run's.
+    An assert's message is not evaluated.
 
     ``filesystem`` picks how the filesystem is isolated; None: the best this machine permits
     (``filesystem_isolation()``); a backend that does not work here raises ``SandboxError``.
@@ -144,7 +160,8 @@ def run_python(code: str, tests: str, *, timeout_s: float = 5.0, memory_bytes: i
     fallbacks: no network, PID or mount namespace (only the prelude, the process-group kill
     and the rlimits apply; ``filesystem`` must be None or "none").
     """
-    return _run_sandboxed(code, tests, timeout_s, memory_bytes, max_output_bytes, use_namespaces, False,
+    checks = sandbox_checks.parse_tests(tests)
+    return _run_sandboxed(code, checks, timeout_s, memory_bytes, max_output_bytes, use_namespaces, False,
                           filesystem)
 
 
@@ -155,7 +172,7 @@ def run_snippet(code: str, *, timeout_s: float = 5.0, memory_bytes: int = 256 <<
 
     ``reason`` is "passed" when the code ran to its end, else as for ``run_python``.
     """
-    return _run_sandboxed(code, "", timeout_s, memory_bytes, max_output_bytes, use_namespaces, True, filesystem)
+    return _run_sandboxed(code, [], timeout_s, memory_bytes, max_output_bytes, use_namespaces, True, filesystem)
 
 
 def filesystem_isolation() -> Filesystem:
@@ -215,7 +232,7 @@ def _probe(mode: str) -> str | None:
     fd, planted = tempfile.mkstemp(prefix="disagg-sandbox-probe-")
     os.close(fd)
     try:
-        r = _run_sandboxed(f"import os\nassert not os.path.exists({planted!r}), 'the box sees the host'\n", "",
+        r = _run_sandboxed(f"import os\nassert not os.path.exists({planted!r}), 'the box sees the host'\n", [],
                            30.0, 256 << 20, 4096, True, False, mode, trial=True)
     except SandboxError as e:  # the view could not be built
         return str(e).removeprefix(f"filesystem isolation {mode!r} failed: ")
@@ -224,7 +241,7 @@ def _probe(mode: str) -> str | None:
     return None if r.passed else f"a trial run failed ({r.reason}): {r.detail or r.stderr.strip()[-300:]}"
 
 
-def _run_sandboxed(code: str, tests: str, timeout_s: float, memory_bytes: int, max_output_bytes: int,
+def _run_sandboxed(code: str, checks: list[Check], timeout_s: float, memory_bytes: int, max_output_bytes: int,
                    use_namespaces: bool, capture_stdout: bool, filesystem: Filesystem | None,
                    trial: bool = False) -> SandboxResult:
     if not timeout_s > 0:
@@ -233,10 +250,6 @@ def _run_sandboxed(code: str, tests: str, timeout_s: float, memory_bytes: int, m
         raise ValueError(f"memory_bytes={memory_bytes} is below the 32 MiB an interpreter needs to start")
     if max_output_bytes <= 0:
         raise ValueError(f"max_output_bytes={max_output_bytes} must be > 0")
-    try:
-        compile(tests, "tests.py", "exec")
-    except (SyntaxError, ValueError) as e:
-        raise ValueError(f"tests do not compile: {e}") from e
     if not use_namespaces and filesystem not in (None, "none"):
         raise ValueError(f"filesystem={filesystem!r} needs namespaces; use_namespaces=False runs without")
     if filesystem is not None and not trial:  # a trial run is the probe of its backend
@@ -254,12 +267,13 @@ def _run_sandboxed(code: str, tests: str, timeout_s: float, memory_bytes: int, m
     with tempfile.TemporaryDirectory(prefix="disagg-sandbox-") as tmp, \
             (tempfile.TemporaryDirectory(prefix="disagg-sandbox-root-") if filesystem == "namespaces"
              else nullcontext("")) as new_root:
-        for name, text in (("answer.py", code), ("tests.py", tests), ("_runner.py", _RUNNER)):
+        exprs = json.dumps([c.expr for c in checks])  # the expected values stay here
+        for name, text in (("answer.py", code), ("exprs.json", exprs), ("_runner.py", _RUNNER)):
             with open(os.path.join(tmp, name), "w", encoding="utf-8", errors="surrogatepass") as f:
                 f.write(text)
         run = _start(tmp, timeout_s, memory_bytes, max_output_bytes, use_namespaces, capture_stdout, filesystem,
                      new_root)
-        reason, detail, stderr = _finish(run, timeout_s)
+        reason, detail, stderr = _finish(run, timeout_s, checks)
     stdout = run.stdout_tail.decode("utf-8", "replace") if run.stdout_tail is not None else ""
     return SandboxResult(reason == "passed", reason, detail, time.monotonic() - t0, run.network_isolation,
                          run.process_isolation, stderr, run.proc.pid, stdout, filesystem)
@@ -268,8 +282,9 @@ def _run_sandboxed(code: str, tests: str, timeout_s: float, memory_bytes: int, m
 @dataclass
 class _Run:
     proc: subprocess.Popen
-    nonce: bytes
-    status_fd: int
+    results: bytearray
+    """The head of what came through the results pipe (``sandbox_runner``'s lines)."""
+    results_reader: threading.Thread
     stderr_tail: bytearray
     reader: threading.Thread
     network_isolation: Literal["netns", "prelude"]
@@ -280,11 +295,7 @@ class _Run:
 
 def _start(tmp: str, timeout_s: float, memory_bytes: int, max_output_bytes: int, use_namespaces: bool,
            capture_stdout: bool, filesystem: Filesystem, new_root: str) -> _Run:
-    nonce = secrets.token_hex(16).encode()
-    nonce_r, nonce_w = os.pipe()
-    os.write(nonce_w, nonce)
-    os.close(nonce_w)
-    status_r, status_w = os.pipe()
+    results_r, results_w = os.pipe()
     report_r, report_w = os.pipe()
     cpu_s = math.ceil(timeout_s) + 1
     limits = [
@@ -307,7 +318,7 @@ def _start(tmp: str, timeout_s: float, memory_bytes: int, max_output_bytes: int,
     env = {"PATH": "/usr/bin:/bin", "HOME": tmp, "TMPDIR": tmp, "LANG": "C.UTF-8"}
     # -u when stdout is captured: what was printed before a timeout kill or os._exit still arrives
     argv = [sandbox_fs.INTERPRETER, "-I", "-S", "-B", *(["-u"] if capture_stdout else []), "_runner.py",
-            str(nonce_r), str(status_w), repr(float(timeout_s)), str(_PID_MAX_IN_NS if _PER_NAMESPACE_PID_MAX else 0),
+            str(results_w), repr(float(timeout_s)), str(_PID_MAX_IN_NS if _PER_NAMESPACE_PID_MAX else 0),
             str(drop_uid)]
     plan = sandbox_fs.plan_view(tmp, sandbox_fs.python_dirs()) if filesystem != "none" else []
     if filesystem == "bwrap":
@@ -315,16 +326,15 @@ def _start(tmp: str, timeout_s: float, memory_bytes: int, max_output_bytes: int,
     try:
         proc = subprocess.Popen(argv, cwd=tmp, env=env, stdin=subprocess.DEVNULL,
                                 stdout=subprocess.PIPE if capture_stdout else subprocess.DEVNULL,
-                                stderr=subprocess.PIPE, start_new_session=True, pass_fds=(nonce_r, status_w),
+                                stderr=subprocess.PIPE, start_new_session=True, pass_fds=(results_w,),
                                 preexec_fn=partial(_preexec, limits, use_namespaces, filesystem, plan, new_root, tmp,
                                                    as_root, report_w))
     except BaseException:
-        os.close(status_r)
+        os.close(results_r)
         os.close(report_r)
         raise
     finally:
-        os.close(nonce_r)
-        os.close(status_w)
+        os.close(results_w)
         os.close(report_w)
     report = _read_all(report_r)  # written by _preexec before the exec that Popen waited for
     os.close(report_r)
@@ -333,13 +343,17 @@ def _start(tmp: str, timeout_s: float, memory_bytes: int, max_output_bytes: int,
         proc.stderr.close()
         if proc.stdout is not None:
             proc.stdout.close()
-        os.close(status_r)
+        os.close(results_r)
         raise SandboxError(f"filesystem isolation {filesystem!r} failed: {report[1:].decode(errors='replace')}")
     tail = bytearray()
     reader = threading.Thread(target=_drain, args=(proc.stderr.fileno(), tail, max_output_bytes), daemon=True,
                               name=f"sandbox-stderr-{proc.pid}")
     reader.start()
-    run = _Run(proc, nonce, status_r, tail, reader, "netns" if report[:1] == b"n" else "prelude",
+    results = bytearray()
+    results_reader = threading.Thread(target=_drain_head, args=(results_r, results, _RESULTS_BYTES), daemon=True,
+                                      name=f"sandbox-results-{proc.pid}")
+    results_reader.start()
+    run = _Run(proc, results, results_reader, tail, reader, "netns" if report[:1] == b"n" else "prelude",
                "pidns" if report[1:2] == b"y" else "group")
     if capture_stdout:
         run.stdout_tail = bytearray()
@@ -372,7 +386,7 @@ def _preexec(limits: list[tuple[int, tuple[int, int]]], use_namespaces: bool, fi
         resource.setrlimit(res, lim)
 
 
-def _finish(run: _Run, timeout_s: float) -> tuple[Reason, str, str]:
+def _finish(run: _Run, timeout_s: float, checks: list[Check]) -> tuple[Reason, str, str]:
     proc = run.proc
     backstop = False
     try:
@@ -392,20 +406,29 @@ def _finish(run: _Run, timeout_s: float) -> tuple[Reason, str, str]:
     if run.stdout_reader is not None:
         run.stdout_reader.join(timeout=1.0)
         proc.stdout.close()
-    status = _read_all(run.status_fd)
-    os.close(run.status_fd)
+    run.results_reader.join(timeout=1.0)
+    values, status = sandbox_checks.parse_results(bytes(run.results), len(checks))
 
     stderr = run.stderr_tail.decode("utf-8", "replace")
     lines = [ln for ln in stderr.splitlines() if ln.strip()]
     detail = lines[-1][:_DETAIL_CHARS] if lines else ""
-    verdict = _verdict(status, run.nonce)
     code = proc.returncode
-    if backstop or code == _EXIT_TIMEOUT or code == 128 + signal.SIGXCPU:
+    timed_out = backstop or code == _EXIT_TIMEOUT or code == 128 + signal.SIGXCPU
+    for i, (check, reported) in enumerate(zip(checks, values)):  # the first test that does not hold decides
+        if not reported:
+            break  # the child stopped before this test: the run's reason below
+        outcome = sandbox_checks.judge_reported(i, check, reported)
+        if outcome is not None:
+            return outcome[0], outcome[1][:_DETAIL_CHARS], stderr
+    else:  # every test held
+        if status == "done" and code == 0 and not timed_out:
+            return "passed", detail, stderr
+    if timed_out:
         return "timeout", detail or f"killed after {timeout_s}s", stderr
-    if verdict == "passed" and code == 0:
-        return "passed", detail, stderr
-    if verdict in ("failed", "error", "syntax", "memory"):
-        return verdict, detail, stderr
+    if len(run.results) >= _RESULTS_BYTES:
+        return "error", f"more than {_RESULTS_BYTES} bytes of results; the rest were dropped", stderr
+    if status in ("failed", "error", "syntax", "memory"):
+        return status, detail, stderr
     if code == 128 + signal.SIGKILL or any(h in stderr for h in _MEMORY_HINTS):
         return "memory", detail, stderr  # a SIGKILL that was not our timer's: the OOM killer
     return "error", detail or f"exited with status {code} before the tests finished", stderr
@@ -459,6 +482,16 @@ def _drain(fd: int, tail: bytearray, max_bytes: int) -> None:
         tail[:0] = b"[... %d bytes truncated]\n" % dropped
 
 
+def _drain_head(fd: int, head: bytearray, max_bytes: int) -> None:
+    """Read ``fd`` to EOF keeping only the first ``max_bytes``, then close it (only this thread reads it)."""
+    try:
+        while chunk := os.read(fd, 1 << 16):
+            if len(head) < max_bytes:
+                head += chunk[:max_bytes - len(head)]
+    finally:
+        os.close(fd)
+
+
 def _read_all(fd: int, limit: int = 1 << 16) -> bytes:
     os.set_blocking(fd, False)
     out = b""
@@ -468,14 +501,6 @@ def _read_all(fd: int, limit: int = 1 << 16) -> bytes:
     except BlockingIOError:
         pass  # a straggler still holds the write end; what is there is all we take
     return out
-
-
-def _verdict(status: bytes, nonce: bytes) -> str | None:
-    for line in reversed(status.splitlines()):
-        tag, _, word = line.partition(b" ")
-        if tag == nonce:
-            return word.decode("ascii", "replace")
-    return None
 
 
 def _nproc_limit(drop_uid: int) -> int | None:

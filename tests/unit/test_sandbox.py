@@ -64,7 +64,7 @@ def test_correct_answer_passes_and_records_isolation():
 
 
 @pytest.mark.parametrize("code, reason, detail", [
-    ("def add(a, b):\n    return a - b\n", "failed", "AssertionError"),
+    ("def add(a, b):\n    return a - b\n", "failed", "AssertionError: assert add(2, 3) == 5 (add(2, 3) was -1)"),
     ("def add(a, b):\n    return a / 0\n", "error", "ZeroDivisionError: division by zero"),
     ("def add(a, b)\n    return a + b\n", "syntax", "SyntaxError: expected ':'"),
     ("import sys\nsys.exit(0)\n", "error", "SystemExit: 0"),
@@ -353,7 +353,7 @@ def test_box_hides_the_job_and_keeps_writes_inside(fs_backend, planted):
         "create in cwd": ("write", "inside.txt"),
         "create in tmp": ("write", "/tmp/inside.txt"),
         "create in shm": ("write", "/dev/shm/inside.txt"),
-        "append the tests": ("append", "tests.py"),
+        "append the tests' expressions": ("append", "exprs.json"),
     }
     try:
         r, got = _box_report(probes, filesystem=fs_backend)
@@ -366,7 +366,7 @@ def test_box_hides_the_job_and_keeps_writes_inside(fs_backend, planted):
         assert got[k] in ("FileNotFoundError", "PermissionError", "OSError"), k  # OSError: read-only file system
     assert (got["create in cwd"], got["create in tmp"], got["create in shm"]) == ("ok", "ok", "ok")
     if os.geteuid() == 0:  # the answer runs as nobody: a root-owned file is not writable even in its own directory
-        assert (got["uid"], got["append the tests"]) == (sandbox_fs.NOBODY, "PermissionError")
+        assert (got["uid"], got["append the tests' expressions"]) == (sandbox_fs.NOBODY, "PermissionError")
     for f in files.values():
         assert f.read_text() == "s3cret\n"
     assert sorted(p.name for p in outside.iterdir()) == ["run", "secret.txt"]
