@@ -170,7 +170,10 @@ def test_a_driver_killed_with_sigkill_resumes_from_its_checkpoint(model_cache, t
     run_dir = tmp_path / "run"
     args = [*SMALL_CLI, "algorithm.max_staleness=1", "trainer.checkpoint_every=2", f"model.cache_dir={model_cache}",
             f"hydra.run.dir={run_dir}"]
-    proc = disagg_process(["train", *args, "trainer.total_steps=8"])
+    # Each step of the first run takes >= 2 s, so the kill (<= 0.5 s after checkpoint 4 shows)
+    # lands before step 8 however fast the machine: the tiny steps took ~0.3 s, and a fresh clone
+    # once finished all 8 between two polls.
+    proc = disagg_process(["train", *args, "trainer.total_steps=8", "trainer.step_delay_s=2"])
     try:
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline and proc.poll() is None:
