@@ -523,6 +523,12 @@ class Pipeline:
                         continue
                     pending_sync, done = None, sync_record
                     engine_version = sync.policy_version
+                    if t_trained is not None and queued is None and train_refs is None:
+                        # This sync's push and the engines' loads were noticed in one wake-up: the trainer
+                        # was blocked on the push until now, not yet counted at the top of the loop.
+                        t_idle_from = time.perf_counter()
+                        sync_wait_s += t_idle_from - t_trained
+                        t_trained = None
                     if self.joined:  # they serve the trainer's weights now: give them groups
                         log.info("engines %s serve version %d: taking prompt groups", self.joined, engine_version)
                         if self.agent:  # the runners route sessions to them from now on
