@@ -1,22 +1,27 @@
 """Fault points: named places where the fault-injection tests make a process fail for real.
 
 A test arms a point inside the process that should fail (``EngineActor.arm_fault`` does it
-in an engine); when the code passes that point ``after`` times, the fault fires: ``exit``
-ends the process at once (``os._exit``, no cleanup, as a crash or an OOM kill would),
-``raise`` raises ``FaultInjected``. Unarmed points cost one dict lookup.
+in an engine; ``DISAGG_FAULTS`` in the environment of ``disagg train`` in its driver); when
+the code passes that point ``after`` times, the fault fires: ``exit`` ends the process at once
+(``os._exit``, no cleanup, as a crash or an OOM kill would), ``raise`` raises
+``FaultInjected``, ``stop`` freezes the process (SIGSTOP to itself: alive, silent, until a
+test kills or continues it). Unarmed points cost one dict lookup.
 
-Points: ``receive_bucket`` (a receiver took one more bucket of a weight sync).
+Points: ``receive_bucket`` (a receiver took one more bucket of a weight sync),
+``checkpoint_written`` (the driver wrote a checkpoint).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
 
 log = logging.getLogger("disagg.faults")
 
-POINTS = ("receive_bucket",)
-ACTIONS = ("exit", "raise")
+POINTS = ("receive_bucket", "checkpoint_written")
+ACTIONS = ("exit", "raise", "stop")
+ENV = "DISAGG_FAULTS"  # "point:action:after[,point:action:after...]", read by arm_from_env
 _armed: dict[str, dict] = {}
 
 
@@ -35,6 +40,16 @@ def arm(point: str, action: str = "exit", after: int = 1) -> None:
     log.warning("fault point %s armed: %s after %d hit(s)", point, action, after)
 
 
+def arm_from_env() -> None:
+    """Arm the points ``DISAGG_FAULTS`` names (``disagg train`` calls it in its driver)."""
+    value = os.environ.get(ENV, "")
+    for spec in filter(None, value.split(",")):
+        parts = spec.split(":")
+        if len(parts) != 3 or not parts[2].isdigit():
+            raise ValueError(f"{ENV}={value!r}: each entry is point:action:after, got {spec!r}")
+        arm(parts[0], parts[1], int(parts[2]))
+
+
 def hit(point: str) -> None:
     spec = _armed.get(point)
     if spec is None:
@@ -46,4 +61,7 @@ def hit(point: str) -> None:
     log.error("fault point %s fired (%s) after %d hit(s)", point, spec["action"], spec["hits"])
     if spec["action"] == "exit":
         os._exit(70)
+    if spec["action"] == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return
     raise FaultInjected(f"fault injected at {point}")

@@ -279,6 +279,7 @@ class Pipeline:
         self._gen: dict[Any, int] = {}
         self._load: dict[int, int] = {}
         self.dummy_served = 0  # groups with a token generated on dummy weights (version 0): must stay 0
+        self._paused_seen = False  # the operator's pause as this loop last acted on it
         self.beyond_staleness = 0  # trained samples older than the limit allowed: must stay 0
 
     # ---- actors ------------------------------------------------------------------------
@@ -365,6 +366,13 @@ class Pipeline:
         state.set_phase("running")
         t_event = time.perf_counter()
         next_log = self.cfg.rollout.wait_log_interval_s  # seconds without an event before the next progress line
+
+        def training_groups() -> int:
+            """Groups handed to the trainer whose step's weights are not synced yet (running, queued, syncing)."""
+            running = record if train_refs is not None else None
+            syncing = sync_record if pending_sync is not None else None
+            return sum(len(r.groups) for r in (running, queued, syncing) if r is not None)
+
         try:
             while step < last_step or train_refs is not None or pending_sync is not None or queued is not None:
                 limit = state.max_staleness()
@@ -376,6 +384,12 @@ class Pipeline:
                 self._apply_scale(state, self._more_steps)
                 self._check_health(state)
                 paused = state.rollout_paused()
+                if paused != self._paused_seen:  # from this iteration on no group starts, or they start again
+                    self._paused_seen = paused
+                    state.record_event("rollout_paused" if paused else "rollout_resumed",
+                                       f"the driver stopped starting prompt groups after step {step}; "
+                                       f"{_count(gen)} generating finish and are kept" if paused else
+                                       f"the driver starts prompt groups again after step {step}")
                 next_train = version + (1 if train_refs is not None else 0)
                 admitted = 0 if paused or not self.serving else self.sched.admit(engine_version, next_train, limit)
                 if self._more_steps and not paused and self.serving:
@@ -422,6 +436,9 @@ class Pipeline:
                         if snap is not None:  # the push of the version this step makes sends a copy
                             self._snapshots = [*self._snapshots[-(SNAPSHOTS_KEPT - 1):], snap]
                         train_refs = self.job.trainer.train_step_async(samples, snap)
+                # This iteration's wave and batch, in one update (a batch leaves the buffer and trains at once).
+                state.set_run_stats(buffer_groups=len(self.sched.ready), training_groups=training_groups(),
+                                    inflight_groups=_count(gen) + _count(scoring) + len(self._held))
                 if queued is not None and pending_sync is None:  # a finished step's weights go out
                     pending_sync, sync_record, queued = (self._start_sync(version, queued.step, load, engine_tokens),
                                                          queued, None)
@@ -546,6 +563,7 @@ class Pipeline:
                     step_s = max(now - t_last, 1e-9)
                     state.set_run_stats(trainer_version=version, buffer_groups=len(self.sched.ready),
                                         inflight_groups=_count(gen) + _count(scoring),
+                                        training_groups=training_groups(),
                                         engine_load={i: (load[i], engine_tokens.get(i, 0) / step_s) for i in load})
                     state.publish_metrics(done.step, rec)
                     self.last_done = (done.step, sync.policy_version)

@@ -18,7 +18,7 @@ import os
 import time
 from pathlib import Path
 
-from disagg import storage
+from disagg import faults, storage
 from disagg.cluster import write_placement
 from disagg.config import Config
 from disagg.job import Job
@@ -82,6 +82,7 @@ def is_agent_task(cfg: Config) -> bool:
 def run(cfg: Config, run_dir: Path) -> Path:
     from transformers import AutoTokenizer
 
+    faults.arm_from_env()
     resume = load_resume(cfg) if cfg.resume else None
     if resume is not None:
         if resume.run_dir is None:
@@ -127,6 +128,7 @@ def run(cfg: Config, run_dir: Path) -> Path:
                 "run_dir": str(run_dir)})
             written[step] = path
             prune_checkpoints(job.checkpoint_dir, cfg.trainer.keep_checkpoints, resume.checkpoint if resume else None)
+            faults.hit("checkpoint_written")
             return path
 
         def on_step(step: int, rec: dict) -> None:

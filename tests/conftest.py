@@ -4,6 +4,7 @@ session), and one local Ray cluster for the whole session."""
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -112,6 +113,39 @@ def long_request_across_syncs(job, prompt: list[int], num_tokens: int, max_versi
     (result,) = ray.get(target, timeout=300)
     ray.get(filler, timeout=300)
     return result, states
+
+
+@contextmanager
+def next_step_held_until(job, condition, timeout_s: float = 300.0):
+    """Hold the trainer's next train step (rank 0, ``hold_next_step``) until ``condition()`` holds:
+    a thread of this process polls it (it may read a pipeline the test runs here) and then releases
+    the step. A test thereby sets up, deterministically, what must happen while that step runs. On
+    leaving, the step is released in any case; yields a list that holds True once the condition was met."""
+    import threading
+    import time
+
+    import ray
+
+    ray.get(job.trainer.rank0.hold_next_step.remote(timeout_s), timeout=60)
+    met: list[bool] = []
+    done = threading.Event()
+
+    def watch() -> None:
+        deadline = time.monotonic() + timeout_s
+        while not done.is_set() and time.monotonic() < deadline:
+            if condition():
+                met.append(True)
+                break
+            time.sleep(0.01)
+        ray.get(job.trainer.transport_method(0, "release_step").remote(), timeout=60)
+
+    watcher = threading.Thread(target=watch, name="release-held-step", daemon=True)
+    watcher.start()
+    try:
+        yield met
+    finally:
+        done.set()
+        watcher.join(timeout=120)
 
 
 def replay_logprobs(model_path, states: dict[int, dict], prompt: list[int], response: list[int],

@@ -65,8 +65,8 @@ class CoordinatorState:
         self._run_dir = run_dir
         self._started_unix_s = time.time()
         # Driver-side run state (the pipeline publishes it; Ops calls steer it).
-        self._run = {"trainer_version": 0, "buffer_groups": 0, "inflight_groups": 0, "phase": "starting",
-                     "total_steps": 0, "target_engines": 0}
+        self._run = {"trainer_version": 0, "buffer_groups": 0, "inflight_groups": 0, "training_groups": 0,
+                     "phase": "starting", "total_steps": 0, "target_engines": 0}
         self._engine_load: dict[int, tuple[int, float]] = {}  # engine id -> (groups in flight, tokens/s)
         self._paused = False
         # ScaleRollout: the driver registers a check (n -> None or why n engines cannot run) and
@@ -212,11 +212,11 @@ class CoordinatorState:
     def set_run_stats(self, *, trainer_version: int | None = None, buffer_groups: int | None = None,
                       inflight_groups: int | None = None, total_steps: int | None = None,
                       engine_load: dict[int, tuple[int, float]] | None = None,
-                      target_engines: int | None = None) -> None:
+                      target_engines: int | None = None, training_groups: int | None = None) -> None:
         with self._lock:
             for k, v in (("trainer_version", trainer_version), ("buffer_groups", buffer_groups),
                          ("inflight_groups", inflight_groups), ("total_steps", total_steps),
-                         ("target_engines", target_engines)):
+                         ("target_engines", target_engines), ("training_groups", training_groups)):
                 if v is not None:
                     self._run[k] = v
             if engine_load is not None:
@@ -445,6 +445,7 @@ class CoordinatorState:
                 total_steps=self._run["total_steps"],
                 target_engines=self._run["target_engines"],
                 events=tuple(self._events),
+                training_groups=self._run["training_groups"],
             )
 
     def _committed_locked(self) -> int:

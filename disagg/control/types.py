@@ -81,7 +81,7 @@ class Event:
 
 # ClusterStatus's driver-side run fields (defaults when a coordinator has no run); same names in the proto.
 RUN_FIELDS = ("trainer_version", "buffer_groups", "inflight_groups", "rollout_paused", "phase", "total_steps",
-              "target_engines")
+              "target_engines", "training_groups")
 
 
 @dataclass(frozen=True)
@@ -104,6 +104,7 @@ class ClusterStatus:
     total_steps: int = 0
     target_engines: int = 0  # the rollout pool's size once scaling settles (0: no run)
     events: tuple[Event, ...] = ()  # the latest events, oldest first
+    training_groups: int = 0  # groups handed to the trainer whose step's weights are not synced yet
 
     def engine(self, engine_id: int) -> EngineStatus:
         for e in self.engines:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections import deque
 from datetime import timedelta
@@ -59,6 +60,7 @@ class TrainerWorker:
         self._push_stream = None  # CUDA: the stream pushes from snapshots run on
         self._timeline: deque = deque(maxlen=512)  # (what, version, start, end), time.time()
         self._step_delay_s = cfg.step_delay_s
+        self._hold: tuple[threading.Event, float] | None = None  # tests: the next step waits for release_step
         self._coord = None
 
     # ---- setup ---------------------------------------------------------------------
@@ -167,6 +169,13 @@ class TrainerWorker:
             norms.append(self._optimizer_step())
         if self._step_delay_s > 0:
             time.sleep(self._step_delay_s)
+        if self._hold is not None:
+            released, timeout_s = self._hold
+            try:
+                if not released.wait(timeout_s):
+                    raise RuntimeError(f"train step held for {timeout_s:g} s and never released (release_step)")
+            finally:
+                self._hold = None
         snapshot_s = 0.0
         if snapshot_version is not None:
             t1 = time.perf_counter()
@@ -241,6 +250,18 @@ class TrainerWorker:
     def set_step_delay(self, seconds: float) -> None:
         """Sleep ``seconds`` after each step from now on (trainer.step_delay_s; tests, benchmarks)."""
         self._step_delay_s = float(seconds)
+
+    def hold_next_step(self, timeout_s: float) -> None:
+        """Tests: the next train step waits after its optimizer steps (before its snapshot) until
+        ``release_step``, so that a test sets up what must happen while a step runs; after
+        ``timeout_s`` without a release the step fails."""
+        self._hold = (threading.Event(), float(timeout_s))
+
+    def release_step(self) -> None:
+        """Let the step held by ``hold_next_step`` finish (at once if it has not reached the hold yet).
+        Called while that step runs: on the transport thread (``TrainerGroup.transport_method``)."""
+        if self._hold is not None:
+            self._hold[0].set()
 
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:

@@ -86,7 +86,12 @@ def test_request_before_first_sync_waits_for_the_weights(job, fmt):
 
     t = threading.Thread(target=call)
     t.start()
-    time.sleep(4.0)
+    deadline = time.monotonic() + 120
+    while job.rollout.stats()[0]["http_waiting"] != 1:  # the request reached the engine and waits at its gate
+        assert t.is_alive(), "a request was answered before any weights were synced (dummy weights served)"
+        assert time.monotonic() < deadline, "the request never reached the engine's weights gate"
+        time.sleep(0.1)
+    time.sleep(2.0)  # at the gate: it must stay there until the sync
     assert t.is_alive(), "a request was answered before any weights were synced (dummy weights served)"
     assert job.rollout.stats()[0]["http_waiting"] == 1
     _synced(job)

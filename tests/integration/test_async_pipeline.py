@@ -14,7 +14,7 @@ import torch
 
 from disagg.rollout.types import GenRequest, SamplingSpec
 from disagg.samples import TrainSample
-from tests.conftest import long_request_across_syncs, replay_logprobs, small_config
+from tests.conftest import long_request_across_syncs, next_step_held_until, replay_logprobs, small_config
 
 LONG_TOKENS = 200
 
@@ -171,13 +171,20 @@ def test_a_pipeline_at_staleness_one_pushes_while_the_trainer_trains(job, tok):
     engine = job.rollout.engines[0]
     streams = ray.get(engine.get_stats.remote(), timeout=60)["streams"]
     pipeline = _pipeline(job, tok)
+    batch = job.cfg.algorithm.prompts_per_step
     try:
-        records = pipeline.run(6, first_step=first)
+        # The first step ends only once the next batch is complete (the second half of the first
+        # wave): the trainer gets it as that step ends, while the step's version is pushed.
+        with next_step_held_until(job, lambda: pipeline.fate["taken"] >= batch
+                                  and len(pipeline.sched.ready) >= batch) as released:
+            records = pipeline.run(6, first_step=first)
     finally:
         ray.get(job.trainer.rank0.set_step_delay.remote(0.0), timeout=60)
+    assert released, "the next batch was never complete while the first step was held"
     assert [r["policy/version_trained"] for r in records] == list(range(first, first + 6))
     assert all(r["policy/staleness_max"] <= 1 for r in records)
-    # Each admission wave went to the engine as one streaming call, not one call per group.
+    # Each admission wave went to the engine as one streaming call, not one call per group (a wave
+    # is whole batches whatever the order groups finish in: tests/unit/test_scheduler.py).
     calls = ray.get(engine.get_stats.remote(), timeout=60)["streams"] - streams
     assert 0 < calls < pipeline._next_gid / 2, (calls, pipeline._next_gid)
     # Groups went to the reward workers in calls of one or more (tests/unit/test_scheduler.py:
@@ -192,7 +199,7 @@ def test_a_pipeline_at_staleness_one_pushes_while_the_trainer_trains(job, tok):
     assert set(pushes) == set(range(first + 1, first + 7))  # every version the run made was pushed
     assert set(trains) == set(pushes)  # ... from the snapshot its step took
     # The trainer did not wait for a push to end before its next step: some step started while the
-    # previous version's push was still going on.
+    # previous version's push was still going on (at least the second: its batch was ready).
     overlapped = [ver for ver in pushes if ver + 1 in trains and trains[ver + 1][0] < pushes[ver][1]]
     assert overlapped, (pushes, trains)
 
@@ -297,10 +304,17 @@ def test_staleness_is_bounded_with_a_slow_trainer_and_changed_at_run_time_over_g
 
     first = _next_version(job)
     job.sync_weights(first, trainer_step=first)
+    pipeline = _pipeline(job, tok, on_step=on_step)
+    batch = job.cfg.algorithm.prompts_per_step
     try:
-        records = _pipeline(job, tok, on_step=on_step).run(6, first_step=first)
+        # The first step ends only once the rest of the first wave (two more batches, generated on
+        # the first version) is complete: the next steps train them one and two versions later.
+        with next_step_held_until(job, lambda: pipeline.fate["taken"] >= batch
+                                  and len(pipeline.sched.ready) >= 2 * batch) as released:
+            records = pipeline.run(6, first_step=first)
     finally:
         ray.get(job.trainer.rank0.set_step_delay.remote(0.0), timeout=60)
+    assert released, "the rest of the first wave was never complete while the first step was held"
     assert changed_at
     for r in records:
         assert r["policy/staleness_max"] <= r["policy/max_staleness_limit"], r

@@ -11,7 +11,8 @@ Every failure must end in a replacement that receives the trainer's weights befo
 prompts, with no prompt group lost, no sample trained beyond the staleness limit and no
 request answered on dummy weights.
 
-Then the driver is killed with SIGKILL in the middle of a `disagg train` run, and
+Then the driver is killed with SIGKILL in the middle of a `disagg train` run (it stops itself
+right after its second checkpoint, a fault point, so that the run cannot end first), and
 `disagg train resume=<run_dir>` finishes it from the last checkpoint.
 """
 
@@ -21,9 +22,11 @@ import json
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
+from disagg import faults
 from tests.conftest import SMALL_CLI, disagg_process, small_config
 
 HEALTH_TIMEOUT_S = 10.0
@@ -166,21 +169,23 @@ def _records(run_dir):
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def _stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (SIGSTOP): its state in /proc is T."""
+    return (Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]) == "T"
+
+
 def test_a_driver_killed_with_sigkill_resumes_from_its_checkpoint(model_cache, tmp_path):
     run_dir = tmp_path / "run"
     args = [*SMALL_CLI, "algorithm.max_staleness=1", "trainer.checkpoint_every=2", f"model.cache_dir={model_cache}",
             f"hydra.run.dir={run_dir}"]
-    # Each step of the first run takes >= 2 s, so the kill (<= 0.5 s after checkpoint 4 shows)
-    # lands before step 8 however fast the machine: the tiny steps took ~0.3 s, and a fresh clone
-    # once finished all 8 between two polls.
-    proc = disagg_process(["train", *args, "trainer.total_steps=8", "trainer.step_delay_s=2"])
+    # The driver freezes itself right after its second checkpoint (step 4, or 5 if that step was
+    # already under way): in the middle of the run however fast the run and however slow this poll.
+    proc = disagg_process(["train", *args, "trainer.total_steps=8"],
+                          env={faults.ENV: "checkpoint_written:stop:2"})
     try:
         deadline = time.monotonic() + 600
-        while time.monotonic() < deadline and proc.poll() is None:
-            ckpts = sorted((run_dir / "checkpoints").glob("step_*")) if (run_dir / "checkpoints").exists() else []
-            done = [p for p in ckpts if not p.name.endswith(".partial")]
-            if done and int(done[-1].name.split("_")[1]) >= 4:
-                break
+        while proc.poll() is None and not _stopped(proc.pid):
+            assert time.monotonic() < deadline, "the driver did not stop after its second checkpoint"
             time.sleep(0.5)
         assert proc.poll() is None, proc.communicate()[1][-3000:]
         proc.send_signal(signal.SIGKILL)

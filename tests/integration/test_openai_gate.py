@@ -20,6 +20,7 @@ import http.client
 import json
 import os
 import re
+import time
 import urllib.parse
 
 import pytest
@@ -38,7 +39,7 @@ ENGINE_CONTROL = {"/pause", "/resume", "/sleep", "/wake_up", "/collective_rpc", 
 # Routes that run the model; each must wait for the weights, then answer 200 from them.
 GENERATION = {"/v1/completions", "/v1/chat/completions", "/invocations"}
 UNROUTED = "/no/such/route"  # matches no route: waits too (deny by default), then vLLM's 404
-WAIT_S = 10.0  # how long a request must stay unanswered to count as waiting
+WAIT_S = 10.0  # how long a request at the gate must then stay unanswered
 PROBE_TIMEOUT_S = 300.0
 
 
@@ -105,7 +106,13 @@ def test_every_route_waits_is_refused_or_is_safe_until_the_first_sync(job):
     probes = _probes(routes)
     pool = cf.ThreadPoolExecutor(max_workers=len(probes))  # its requests end when they are answered
     futures = {p: pool.submit(_request, address, p[0], p[1]) for p in probes}
-    cf.wait(futures.values(), timeout=WAIT_S)
+    # Until every request is answered or waits at the gate (the engine counts those), however slowly
+    # the requests are sent and answered; then the waiting ones must stay there.
+    deadline = time.monotonic() + PROBE_TIMEOUT_S
+    while sum(f.done() for f in futures.values()) + job.rollout.stats()[0]["http_waiting"] < len(futures):
+        assert time.monotonic() < deadline, "a request neither answered nor waiting at the gate"
+        time.sleep(0.2)
+    time.sleep(WAIT_S)
     before = {p: f.result() if f.done() else None for p, f in futures.items()}  # None: still waiting
     waiting = [p for p, got in before.items() if got is None]
     assert job.rollout.stats()[0]["http_waiting"] == len(waiting), "a request waits somewhere else than the gate"

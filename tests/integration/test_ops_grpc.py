@@ -33,6 +33,14 @@ def secured(tmp_path):
     srv.stop(grace_s=0.5)
 
 
+def _until(cond, what: str, timeout_s: float = 60.0) -> None:
+    """Wait for ``cond()`` (another thread's progress), at most ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out after {timeout_s:.0f} s waiting for {what}"
+        time.sleep(0.01)
+
+
 def test_token_file_is_owner_only_and_fresh(tmp_path):
     token, path = write_token(tmp_path)
     assert path == tmp_path / TOKEN_FILE
@@ -108,14 +116,14 @@ def test_ops_calls_and_their_status_codes(secured):
 
         # Checkpoint blocks until the driver writes one after its step.
         def driver():
-            deadline = time.monotonic() + 5
+            deadline = time.monotonic() + 60
             while not state.checkpoint_wanted() and time.monotonic() < deadline:
                 time.sleep(0.01)
             state.checkpoint_written(7, 8, "/runs/x/checkpoints/step_000007")
 
         t = threading.Thread(target=driver)
         t.start()
-        assert c.checkpoint(timeout_s=10) == (7, 8, "/runs/x/checkpoints/step_000007")
+        assert c.checkpoint(timeout_s=60) == (7, 8, "/runs/x/checkpoints/step_000007")
         t.join()
         with pytest.raises(ControlRpcError) as e:  # nobody writes one: the deadline, named
             c.checkpoint(timeout_s=1.5)
@@ -138,13 +146,14 @@ def test_watch_replays_then_streams_and_ends_with_the_run(secured):
 
     def watch():
         with CoordinatorClient(srv.address, timeout_s=5, token=token) as c:
-            got.extend(c.watch_metrics(from_step=2))
+            for step_values in c.watch_metrics(from_step=2):
+                got.append(step_values)
 
     t = threading.Thread(target=watch)
     t.start()
-    time.sleep(0.5)
+    _until(lambda: len(got) == 1, "the replay of step 2")  # the stream is open: step 3 can only come streamed
     state.publish_metrics(3, {"reward/mean": 0.75, "policy_version": 4})
-    time.sleep(0.3)
+    _until(lambda: len(got) == 2, "step 3 on the open stream")
     state.set_phase("stopped")
     t.join(timeout=10)
     assert not t.is_alive(), "the metrics stream did not end with the run"
@@ -160,7 +169,7 @@ def test_waiting_calls_are_capped_so_engines_always_find_a_server_thread(secured
             CoordinatorClient(srv.address, timeout_s=5, token=token) as c2:
         t = threading.Thread(target=lambda: first.extend(c1.watch_metrics(from_step=1)), daemon=True)
         t.start()
-        time.sleep(0.5)  # the first stream holds its thread
+        _until(lambda: srv.state._blocking == 1, "the first stream to hold its thread")
         with pytest.raises(ControlRpcError) as e:
             list(c2.watch_metrics(from_step=1))
         assert e.value.code == "RESOURCE_EXHAUSTED" and "close one" in e.value.details

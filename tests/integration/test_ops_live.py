@@ -16,6 +16,7 @@ from disagg.control.client import ControlRpcError, CoordinatorClient
 from tests.conftest import SMALL_CLI, disagg_process
 
 ARGS = ["trainer.total_steps=2000", *SMALL_CLI]  # far more steps than the test lets it run: it ends on Stop
+BATCH_GROUPS = 4  # algorithm.prompts_per_step in SMALL_CLI
 
 
 def _wait(cond, timeout_s: float, what: str, proc=None):
@@ -63,11 +64,18 @@ def test_operating_a_live_run(live_run):
     st = client.status()
     assert st.phase == "running" and st.total_steps == 2000 and st.engines[0].address.startswith("http")
 
-    # pause: in-flight groups finish, then nothing new starts and training stops for want of samples.
+    # pause: in-flight groups finish, then nothing new starts and training stops for want of samples
+    # (a buffered batch may still train first). Once the driver has acted on the pause (its event;
+    # what the status shows from then on comes after its last wave): nothing generating, no batch
+    # left in the buffer, no step training or syncing.
     client.pause_rollout("test")
-    _wait(lambda: (s := client.status()).inflight_groups == 0 and s.phase == "paused", 120, "the rollout to drain",
-          proc)
-    time.sleep(1.5)  # a buffered batch may still train
+
+    def stopped() -> bool:
+        s = client.status()
+        return (any(e.kind == "rollout_paused" for e in s.events) and s.inflight_groups == 0
+                and s.training_groups == 0 and s.buffer_groups < BATCH_GROUPS)
+
+    _wait(stopped, 120, "the rollout to drain and training to stop", proc)
     step_paused = client.status().trainer_step
     time.sleep(3.0)
     st = client.status()

@@ -19,6 +19,7 @@ import torch
 HOST = "127.0.0.1"
 BUCKET_BYTES = 2048
 TIMEOUT_S = 20.0
+START_TIMEOUT_S = 180.0  # for every spawned process to start (each imports torch) and reach its rendezvous
 
 
 class _Net(torch.nn.Module):
@@ -50,7 +51,7 @@ def _device(backend: str, index: int) -> torch.device:
 
 
 def _trainer(rank: int, world: int, receivers: int, ports: list[int], fsdp_port: int, source: str,
-             corrupt: bool, backend: str, out: mp.Queue, overlap: bool = False) -> None:
+             corrupt: bool, backend: str, out: mp.Queue, started, overlap: bool = False) -> None:
     from disagg.transport.group import create_group
     from disagg.transport.sync import model_manifest, send_model, source_groups_needed
 
@@ -68,6 +69,7 @@ def _trainer(rank: int, world: int, receivers: int, ports: list[int], fsdp_port:
             fully_shard(layer)
         fully_shard(net)
     full = model_manifest(net, BUCKET_BYTES, policy_version=5)
+    started.wait(timeout=START_TIMEOUT_S)  # everyone is up: the rendezvous timeout times the rendezvous alone
     group = None
     if rank < source_groups_needed(source, world):
         group = create_group(host=HOST, port=ports[rank], rank=0, world_size=1 + receivers, backend=backend,
@@ -139,7 +141,7 @@ def _send_snapshot_while_training(net, group, full, source, rank, world, sender,
 
 
 def _receiver(index: int, receivers: int, num_groups: int, ports: list[int], source: str, verify: bool,
-              backend: str, first_device: int, out: mp.Queue) -> None:
+              backend: str, first_device: int, out: mp.Queue, started) -> None:
     from disagg.errors import ChecksumError
     from disagg.transport.group import create_group
     from disagg.transport.receiver import TorchModelReceiver
@@ -150,6 +152,7 @@ def _receiver(index: int, receivers: int, num_groups: int, ports: list[int], sou
     _fill(net, seed=99)  # the "previous version"
     net.to(device)
     before = _digest(net)
+    started.wait(timeout=START_TIMEOUT_S)
     groups = [create_group(host=HOST, port=ports[r], rank=1 + index, world_size=1 + receivers, backend=backend,
                            timeout_s=TIMEOUT_S, group_name=f"s{r}", device=device) for r in range(num_groups)]
     full = model_manifest(net, BUCKET_BYTES, policy_version=5)
@@ -176,19 +179,20 @@ def _run(trainers: int, source: str, corrupt: bool = False, backend: str = "gloo
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
+    started = ctx.Barrier(trainers + receivers)
     num_groups = source_groups_needed(source, trainers)
     ports = [pick_free_port(HOST) for _ in range(num_groups)]
     fsdp_port = pick_free_port(HOST)
     procs = [ctx.Process(target=_trainer, args=(r, trainers, receivers, ports, fsdp_port, source, corrupt, backend,
-                                                out, overlap)) for r in range(trainers)]
+                                                out, started, overlap)) for r in range(trainers)]
     procs += [ctx.Process(target=_receiver, args=(j, receivers, num_groups, ports, source, corrupt, backend, trainers,
-                                                  out)) for j in range(receivers)]
+                                                  out, started)) for j in range(receivers)]
     for p in procs:
         p.start()
     reports = []
     try:
         for _ in procs:
-            reports.append(out.get(timeout=120))
+            reports.append(out.get(timeout=START_TIMEOUT_S + 120))
     except queue.Empty:
         pytest.fail(f"only {len(reports)} of {len(procs)} processes reported")
     finally:

@@ -24,6 +24,7 @@ from disagg.transport.sender import WeightSender, build_manifest
 HOST = "127.0.0.1"
 BUCKET_BYTES = 4096
 TIMEOUT_S = 3.0
+SPAWN_LIMIT_S = 180.0  # for the spawned processes to start (each imports torch) and report
 
 
 class _Net(torch.nn.Module):
@@ -141,7 +142,10 @@ def _kill_receiver(rank: int, world: int, port: int) -> dict:
         group.destroy()
 
 
-def _child(target, rank: int, world: int, port: int, results) -> None:
+def _child(target, rank: int, world: int, port: int, results, started) -> None:
+    # Every process has started before any joins: spawned processes import torch seconds apart on a
+    # busy machine, and the short timeouts here time the rendezvous, not the start-up.
+    started.wait(timeout=SPAWN_LIMIT_S)
     t0 = time.monotonic()
     try:
         out = {"ok": True, **target(rank, world, port)}
@@ -151,12 +155,15 @@ def _child(target, rank: int, world: int, port: int, results) -> None:
     results.put((rank, out))
 
 
-def _spawn(target, world: int, ranks: list[int], limit_s: float = 40.0) -> tuple[dict[int, dict], dict[int, int]]:
+def _spawn(target, world: int, ranks: list[int],
+           limit_s: float = SPAWN_LIMIT_S) -> tuple[dict[int, dict], dict[int, int]]:
     """Run ``target`` on ``ranks`` of a world of ``world``; return reports and exit codes."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
+    started = ctx.Barrier(len(ranks))
     port = pick_free_port(HOST)
-    procs = {r: ctx.Process(target=_child, args=(target, r, world, port, results), daemon=True) for r in ranks}
+    procs = {r: ctx.Process(target=_child, args=(target, r, world, port, results, started), daemon=True)
+             for r in ranks}
     for p in procs.values():
         p.start()
     reports: dict[int, dict] = {}

@@ -79,6 +79,9 @@ def _status() -> ClusterStatus:
         trainer_step=12,
         run_dir="/runs/x",
         started_unix_s=1699999999.0,
+        buffer_groups=3,
+        inflight_groups=5,
+        training_groups=4,
         events=(Event(1700000003.0, "engine_dead", "engine 1: stuck: no answer to a health check for 60 s"),
                 Event(1700000003.25, "engine_replaced", "engine 2 starts in place of engine 1")),
     )

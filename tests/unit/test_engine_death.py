@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import pytest
 
 from disagg import faults
@@ -65,3 +71,22 @@ def test_an_armed_fault_point_fires_after_n_hits_and_only_once():
 def test_bad_fault_specs_are_refused(args, match):
     with pytest.raises(ValueError, match=match):
         faults.arm(*args)
+
+
+def test_faults_armed_from_the_environment_and_a_point_that_stops_its_process():
+    """What `disagg train` arms from DISAGG_FAULTS in its driver: here the second hit stops the process."""
+    code = ("from disagg import faults\nfaults.arm_from_env()\nfaults.hit('checkpoint_written')\n"
+            "print('first hit passed', flush=True)\nfaults.hit('checkpoint_written')\n"
+            "print('not stopped', flush=True)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, faults.ENV: "checkpoint_written:stop:2"},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the process did not stop at the second hit"
+            time.sleep(0.05)
+    finally:
+        proc.kill()
+    out, _ = proc.communicate(timeout=30)
+    assert out == "first hit passed\n"

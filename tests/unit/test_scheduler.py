@@ -168,3 +168,48 @@ def test_groups_that_finish_together_share_one_reward_call_per_worker(gids, work
     from disagg.pipeline import reward_calls
 
     assert reward_calls(gids, workers, first) == calls
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_admission_waves_are_whole_batches_whatever_order_groups_finish_in(seed) -> None:
+    """The driver's loop as the staleness-1 pipeline test runs it (tests/integration/test_async_pipeline.py):
+    each admission is one wave (one streaming call per engine). Room for new groups opens only when a
+    sync lands (a whole batch) or a group is dropped, so the first wave holds both batches the limit
+    allows and each later one a batch per sync landed since, plus the groups dropped since: whatever
+    the order groups finish in and however fast steps and syncs are, a 6-step run makes fewer than
+    half as many waves as groups."""
+    rng = random.Random(seed)
+    weights = {"finish": rng.random(), "train": rng.random(), "sync": rng.random()}
+    newest_first = rng.random()  # how often the newest group finishes first (the worst order for staleness)
+    s = GroupScheduler(batch_groups=4, max_inflight=64)
+    version = engine_version = 1
+    training, queued, syncing = False, [], None  # a step runs / versions trained, not synced / syncing
+    generating: dict[int, int] = {}  # gid -> the engine version it started on
+    waves, groups, trained, landed, dropped = [], 0, 0, 0, 0
+    while trained < 6:
+        more_steps = trained + int(training) < 6
+        room = s.admit(engine_version, version + int(training), 1)
+        if room and more_steps:
+            assert room == (8 if not waves else 4 * landed + s.counts["dropped_stale_groups"] - dropped), waves
+            waves.append(room)
+            landed, dropped = 0, s.counts["dropped_stale_groups"]
+            for _ in range(room):
+                s.submitted(_group(groups, engine_version))
+                generating[groups] = engine_version
+                groups += 1
+        # Free once its step is done (its push sends a snapshot), unless an earlier sync still runs.
+        if not training and (not queued or syncing is None) and s.take_batch(version, 1) is not None:
+            training = True
+        if queued and syncing is None:
+            syncing = queued.pop(0)
+        events = [e for e, possible in (("finish", generating), ("train", training), ("sync", syncing)) if possible]
+        event = rng.choices(events, [weights[e] for e in events])[0]
+        if event == "finish":
+            gid = max(generating) if rng.random() < newest_first else rng.choice(sorted(generating))
+            s.finished(gid, _samples(gid, [generating.pop(gid)]))
+        elif event == "train":
+            version, training, trained = version + 1, False, trained + 1
+            queued.append(version)
+        else:
+            engine_version, syncing, landed = syncing, None, landed + 1
+    assert waves[0] == 8 and len(waves) < groups / 2, (waves, groups)
