@@ -1,0 +1,128 @@
+"""Admission control and batch formation over prompt groups: pure bookkeeping, no Ray, no vLLM.
+
+Staleness: a sample's staleness is the version being trained minus the oldest version among its
+tokens. ``GroupScheduler`` enforces ``max_staleness`` where batches are formed (stale groups are
+dropped and counted) and keeps generation from producing groups that would be dropped (in-flight
+plus buffered groups never exceed what the train steps still able to take them can consume).
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from disagg.rollout.types import GenResult
+from disagg.samples import TrainSample
+
+
+@dataclass
+class Group:
+    """One prompt's group from submission to training."""
+
+    gid: int
+    row: dict[str, Any]
+    prompt_ids: tuple[int, ...]
+    engine: int
+    submitted_version: int
+    t_submit: float
+    result: GenResult | None = None
+    samples: list[TrainSample] = field(default_factory=list)
+    rewards: list[float] = field(default_factory=list)
+
+    @property
+    def min_version(self) -> int:
+        """The oldest policy version among the group's tokens (its submission version if none)."""
+        return min((s.policy_version for s in self.samples), default=self.submitted_version)
+
+    @property
+    def max_version(self) -> int:
+        return self.result.max_version if self.result is not None else self.submitted_version
+
+
+class GroupScheduler:
+    """Admission control and batch formation over prompt groups (no Ray, no vLLM).
+
+    ``mode="stream"``: up to ``max_inflight`` groups generate at once and a batch is
+    ``batch_groups`` complete groups, the oldest policy version first (then completion
+    order); the others carry over. ``"batch"``:
+    a step's groups are submitted together and the batch is handed over only when
+    all of them completed.
+    """
+
+    def __init__(self, batch_groups: int, max_inflight: int, mode: str = "stream") -> None:
+        if mode not in ("stream", "batch"):
+            raise ValueError(f"rollout.scheduler must be 'stream' or 'batch', got {mode!r}")
+        self.batch_groups, self.max_inflight, self.mode = batch_groups, max_inflight, mode
+        self.inflight: dict[int, Group] = {}  # generating or being scored
+        self.ready: deque[Group] = deque()  # scored, waiting for a batch, in completion order
+        self.counts: Counter = Counter()
+
+    def capacity(self, engine_version: int, next_train_version: int, max_staleness: int) -> int:
+        """How many new groups may be submitted now.
+
+        A group started now on ``engine_version`` can be trained by the steps on
+        versions ``next_train_version`` .. ``engine_version + max_staleness``; each takes
+        ``batch_groups`` groups, and the groups already in flight or ready come first.
+        """
+        steps = engine_version + max_staleness - next_train_version + 1
+        room = max(0, steps) * self.batch_groups - len(self.inflight) - len(self.ready)
+        if self.mode == "batch":
+            return min(self.batch_groups, room) if not self.inflight and not self.ready else 0
+        return max(0, min(self.max_inflight - len(self.inflight), room))
+
+    def admit(self, engine_version: int, next_train_version: int, max_staleness: int) -> int:
+        """The driver's admission step: drop ready groups the next step cannot train, then the capacity."""
+        self.drop_stale(next_train_version, max_staleness)
+        return self.capacity(engine_version, next_train_version, max_staleness)
+
+    def submitted(self, group: Group) -> None:
+        self.inflight[group.gid] = group
+
+    def finished(self, gid: int, samples: list[TrainSample] | None, rewards: list[float] | None = None) -> Group:
+        """A group is done generating and scoring; ``samples=None`` means it was dropped (counted by the caller)."""
+        group = self.inflight.pop(gid)
+        if samples:
+            group.samples, group.rewards = samples, list(rewards or [])
+            self.ready.append(group)
+        return group
+
+    def drop_stale(self, train_version: int, max_staleness: int) -> int:
+        """Drop (and count) ready groups too stale for a step on ``train_version``; returns how many.
+
+        Done before admission too: buffered groups that can no longer be trained (the
+        limit was lowered at run time) must not hold the room new groups need.
+        """
+        keep: deque[Group] = deque()
+        for g in self.ready:
+            if train_version - g.min_version > max_staleness:
+                self.counts["dropped_stale"] += len(g.samples)
+                self.counts["dropped_stale_groups"] += 1
+            else:
+                keep.append(g)
+        dropped = len(self.ready) - len(keep)
+        self.ready = keep
+        return dropped
+
+    def take_batch(self, train_version: int, max_staleness: int) -> list[Group] | None:
+        """The groups to train on ``train_version``, or None if not ready yet.
+
+        Ready groups whose oldest token is more than ``max_staleness`` versions behind
+        are dropped first (``counts['dropped_stale']`` samples, ``['dropped_stale_groups']``).
+        """
+        self.drop_stale(train_version, max_staleness)
+        if self.mode == "stream":
+            if len(self.ready) < self.batch_groups:
+                return None
+            # Oldest policy version first (completion order among equals): a long group that
+            # finished late is trained before it becomes too stale, not behind newer short ones.
+            order = sorted(range(len(self.ready)), key=lambda i: self.ready[i].min_version)[: self.batch_groups]
+            chosen = set(order)
+            batch = [self.ready[i] for i in sorted(order, key=lambda i: (self.ready[i].min_version, i))]
+            self.ready = deque(g for i, g in enumerate(self.ready) if i not in chosen)
+            return batch
+        if self.inflight or not self.ready:
+            return None
+        batch = list(self.ready)
+        self.ready.clear()
+        return batch

@@ -1,0 +1,150 @@
+"""The sync controller: a trained step's weights out to the engines, one sync at a time.
+
+A finished step waits (``queued``) until the previous sync is done, then its version goes out
+(``pending``, carrying ``record``). Before a sync starts, engines that started join the transport
+group and drained ones leave it (``EngineFleet.change_at_sync``). With ``transport.overlap_push``
+and staleness >= 1 a step's push sends a snapshot the trainer took (``snapshots``), so the trainer
+trains the next step while its previous version is still going out.
+
+A failed sync is decided in ``finish``: a dead receiver is taken out like any dead engine; if the
+trainer's side failed, the version is sent again on a rebuilt group (the trainer's weights have not
+changed: it is not free until its push succeeded); if the trainer sent everything, receivers whose
+receive failed anyway hold partial weights: they are killed and replaced, and the version counts as
+synced to the rest. More than ``transport.max_sync_retries`` failures in a row end the run.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from disagg.pipeline.fleet import EngineFleet, brief, is_done
+from disagg.pipeline.recorder import StepRecord
+from disagg.trainer.snapshot import KEEP as SNAPSHOTS_KEPT
+
+
+class SyncController:
+    """Owns the pending sync, the step waiting for it, the trainer's snapshots and the retry state."""
+
+    def __init__(self, cfg, job, state, fleet: EngineFleet, fate: Counter) -> None:
+        self.cfg, self.job, self.state, self.fleet, self.fate = cfg, job, state, fleet, fate
+        self.queued: StepRecord | None = None  # a trained step waiting for the previous sync to finish
+        self.pending = None  # Job.PendingSync in flight
+        self.record: StepRecord | None = None  # the step whose weights ``pending`` carries (None: joins only)
+        self.snapshots: list[int] = []  # versions the trainer keeps a copy of (overlap_push), oldest first
+        self.rebuild = False  # a sync failed: the next one rebuilds the transport group first
+        self.failed = 0  # failed syncs in a row
+
+    @property
+    def idle(self) -> bool:
+        return self.pending is None and self.queued is None
+
+    def refs(self) -> list:
+        return self.pending.refs if self.pending is not None else []
+
+    def snapshot_for(self, version: int, limit: int) -> int | None:
+        """The version a train step starting now makes, if its push sends a copy (overlap_push, staleness >= 1)."""
+        if not (self.job.trainer.overlap_push and limit >= 1):
+            return None
+        self.snapshots = [*self.snapshots[-(SNAPSHOTS_KEPT - 1):], version + 1]
+        return version + 1
+
+    def blocks_trainer(self, version: int) -> bool:
+        """The trainer (on ``version``) may not train: a step waits for its sync, unless it pushes a
+        snapshot and nothing else is syncing; or the push in flight has not left the trainer yet."""
+        if self.queued is not None and not (self.pending is None and version in self.snapshots):
+            return True
+        return self.pending is not None and not (self.pending.from_snapshot or self.pushed())
+
+    def pushed(self) -> bool:
+        """The trainer's side of the pending sync finished without error (its weights may change again)."""
+        import ray
+
+        p = self.pending
+        if p.pushed is None and all(is_done(r) for r in p.trainer_refs):
+            try:
+                ray.get(p.trainer_refs, timeout=0)
+                p.pushed = True
+            except Exception:  # noqa: BLE001 - reported by finish
+                p.pushed = False
+        return bool(p.pushed)
+
+    def trained(self, record: StepRecord) -> None:
+        """A train step finished: its weights go out once the previous sync is done."""
+        self.queued = record
+
+    def start_queued(self, version: int) -> None:
+        if self.queued is not None and self.pending is None:
+            self.pending, self.record = self._start(version, self.queued.step), self.queued
+            self.queued = None
+
+    def join_replacements(self, version: int, step: int) -> None:
+        """Every engine died: the replacements join now, with the trainer's weights (a sync of no step)."""
+        self.pending, self.record = self._start(version, step), None
+
+    def _start(self, version: int, step: int):
+        self.fleet.change_at_sync(version, self.rebuild)
+        self.rebuild = False
+        return self.job.start_sync(version, step, from_snapshot=version in self.snapshots)
+
+    def done(self, ready: list) -> bool:
+        return self.pending is not None and all(r in ready or is_done(r) for r in self.pending.refs)
+
+    def finish(self, step: int):
+        """The pending sync ended: (its SyncStats, its step's record), or None when it failed and was
+        started again (on a rebuilt group, for step ``step`` if it carried none)."""
+        pending = self.pending
+        sync = self._finish(pending)
+        if sync is None:  # failed before the trainer's side was through: again, on a rebuilt group
+            self.pending = self._start(pending.policy_version, self.record.step if self.record else step)
+            return None
+        record, self.pending, self.record = self.record, None, None
+        return sync, record
+
+    def _finish(self, pending):
+        """``Job.finish_sync``, surviving failed parties; where a sync retry is decided."""
+        import ray
+
+        from disagg.errors import RolloutError, TransportError
+
+        try:
+            sync = self.job.finish_sync(pending)
+            self.failed = 0
+            return sync
+        except TransportError as e:
+            err = e
+        v = pending.policy_version
+        self.failed += 1
+        self.fate["sync_failures"] += 1
+        self.rebuild = True
+        self.state.record_event("sync_failed", f"version {v}: {str(err)[:600]}")
+        pushed = True
+        for rank, ref in enumerate(pending.trainer_refs):
+            try:
+                ray.get(ref, timeout=0)
+            except ray.exceptions.RayActorError as e:
+                raise RolloutError(f"trainer rank {rank} died during the sync of version {v}; continue from the last "
+                                   "checkpoint with `disagg train resume=<run_dir>`") from e
+            except Exception:  # noqa: BLE001 - the sync is sent again
+                pushed = False
+        for eid, ref in pending.engine_refs.items():
+            if eid in self.fleet.died:
+                continue
+            try:
+                ray.get(ref, timeout=0)
+            except ray.exceptions.RayActorError as e:
+                self.fleet.died_now(eid, f"died during the sync of version {v}: {brief(e)}")
+            except Exception as e:  # noqa: BLE001
+                if pushed:
+                    self.fleet.died_now(eid, f"its receive of version {v} failed after the trainer sent all of "
+                                        f"it ({brief(e)}): its weights are incomplete")
+                elif (why := self.fleet.failure(eid, e)) is not None:
+                    self.fleet.died_now(eid, f"failed during the sync of version {v}: {why}")
+        if self.failed > self.cfg.transport.max_sync_retries:
+            raise RolloutError(f"the weight sync of version {v} failed {self.failed} times in a row "
+                               f"(transport.max_sync_retries={self.cfg.transport.max_sync_retries}): {err}") from err
+        if pushed:
+            self.failed = 0
+            return self.job.sync_stats(pending, ray.get(pending.trainer_refs))
+        self.fate["sync_retries"] += 1
+        self.state.record_event("sync_retried", f"version {v} is sent again on a rebuilt transport group")
+        return None

@@ -1,0 +1,324 @@
+"""The loop's bookkeeping owners without Ray: the step recorder, the engine fleet, the sync
+controller, reward dispatch and generation's queues (disagg/pipeline/).
+
+The pool, the coordinator's state and the job are small stand-ins that record what the owners ask
+of them: these tests pin the owners' decisions; the integration tests (test_async_pipeline,
+test_elastic, test_faults) run the same owners with real Ray, vLLM and transport groups.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from types import SimpleNamespace
+
+import pytest
+
+from disagg.job import PendingSync, SyncStats
+from disagg.pipeline.fleet import AgentRunners, EngineFleet
+from disagg.pipeline.generation import Generation
+from disagg.pipeline.recorder import StepRecord, StepRecorder
+from disagg.pipeline.rewards import RewardDispatch
+from disagg.pipeline.scheduler import Group, GroupScheduler
+from disagg.pipeline.sync import SyncController
+from disagg.rollout.types import SamplingSpec
+from disagg.samples import TrainSample
+
+
+def _cfg(**rollout):
+    roll = {"replace_dead_engines": True, "start_timeout_s": 60.0, "health_interval_s": 1.0, "health_timeout_s": 5.0}
+    roll.update(rollout)
+    return SimpleNamespace(rollout=SimpleNamespace(**roll), cluster=SimpleNamespace(placement_timeout_s=60.0,
+                           actor_timeout_s=60.0), transport=SimpleNamespace(max_sync_retries=2),
+                           reward=SimpleNamespace(num_workers=0))
+
+
+class _Handle:
+    def __init__(self, eid: int, log: list) -> None:
+        self.eid, self.log = eid, log
+        self.set_draining = SimpleNamespace(remote=lambda on, why: log.append(("draining", eid, on)))
+
+
+class _Pool:
+    """The rollout pool's surface the fleet uses: members, launches, retirements."""
+
+    def __init__(self, n: int) -> None:
+        self.log: list = []
+        self.engine_ids = list(range(n))
+        self.engines = [_Handle(i, self.log) for i in range(n)]
+        self._next = n
+        self.tp = 1
+
+    def handle(self, eid: int):
+        return self.engines[self.engine_ids.index(eid)]
+
+    def launch(self):
+        eid, self._next = self._next, self._next + 1
+        self.log.append(("launch", eid))
+        return eid, _Handle(eid, self.log), f"start-ref-{eid}"
+
+    def retire(self, eid, handle, background=False):
+        self.log.append(("retire", eid))
+
+    def discard(self, eid, handle):
+        self.log.append(("discard", eid))
+        i = self.engine_ids.index(eid)
+        del self.engine_ids[i], self.engines[i]
+
+
+class _State:
+    """The coordinator state's surface the owners use: the scale target and the event log."""
+
+    def __init__(self, target=None) -> None:
+        self.target, self.events, self.died, self.removed = target, [], [], []
+
+    def scale_target(self):
+        return self.target
+
+    def set_scale_target(self, n, why):
+        self.target = n
+        self.events.append(("target", n))
+
+    def record_event(self, kind, text):
+        self.events.append((kind, text))
+
+    def engine_died(self, eid, why):
+        self.died.append((eid, why))
+
+    def remove_engine(self, eid):
+        self.removed.append(eid)
+
+
+def _fleet(n=2, target=None, **rollout):
+    pool, state = _Pool(n), _State(target)
+    job = SimpleNamespace(rollout=pool, transport_epoch=1, changes=[])
+
+    def change_engines(members):  # Job.change_engines: the members become the pool's engines
+        job.changes.append([eid for eid, _ in members])
+        pool.engine_ids, pool.engines = [eid for eid, _ in members], [h for _, h in members]
+
+    job.change_engines = change_engines
+    fleet = EngineFleet(_cfg(**rollout), job, state, Counter(), AgentRunners(_cfg()))
+    requeued: list[int] = []
+    streams = {0: [10, 11], 1: [12]}  # gids still owed by each engine's calls
+    fleet.requeue, fleet.streams_of = requeued.extend, lambda eid: streams.pop(eid, [])
+    fleet.start()
+    return fleet, pool, state, job, requeued
+
+
+def _samples(versions, n_tokens=3, reward=1.0):
+    return [TrainSample([1], [7] * n_tokens, [-0.1] * n_tokens, 0.0, reward, v) for v in versions]
+
+
+def _group(gid, engine, versions, reward=1.0):
+    g = Group(gid, {}, (1,), engine, min(versions), 0.0)
+    g.samples, g.rewards = _samples(versions, reward=reward), [reward] * len(versions)
+    return g
+
+
+# ---- the step recorder -----------------------------------------------------------------------
+def test_recorder_splits_the_trainers_time_into_waiting_for_a_batch_and_blocked_on_its_push() -> None:
+    r = StepRecorder(now=100.0)
+    r.batch_taken(102.0)  # waited 2 s for its first batch
+    r.trained(105.0)  # trained 3 s
+    r.trainer_free(106.5)  # its push kept it 1.5 s
+    r.trainer_free(107.0)  # already free: nothing more counted
+    r.batch_taken(108.0)  # then 1.5 s more waiting for a batch
+    r.generated(engine=0, tokens=30, seconds=0.5)
+    r.generated(engine=1, tokens=10, seconds=1.5)
+    r.generated(engine=-1, tokens=5, seconds=1.0)  # an agent runner's group: no engine's tokens
+    assert r.engine_rates({0: 2, 1: 0}, now=110.0) == {0: (2, 3.0), 1: (0, 1.0)}
+    record = StepRecord(1, 1, [_group(0, 0, [1, 1]), _group(1, 1, [0, 1], reward=0.0)], t_batch=102.0, limit=0,
+                        t_train_done=105.0, train={"loss": 0.5})
+    rec = r.step_done(record, SyncStats(2, 4_000_000_000, 2.0, 1.0, 3), now=110.0, run={"rollout/prompts_lost": 0})
+    assert rec["timing/rollout_s"] == pytest.approx(3.5)
+    assert rec["timing/trainer_sync_wait_s"] == pytest.approx(1.5)
+    assert rec["timing/train_s"] == pytest.approx(3.0)
+    assert rec["timing/step_s"] == pytest.approx(10.0)
+    assert rec["rollout/tokens_per_s"] == pytest.approx(4.5)
+    assert rec["rollout/group_seconds_max"] == 1.5 and rec["rollout/group_seconds_mean"] == pytest.approx(1.0)
+    assert rec["weight_sync/gb_per_s"] == pytest.approx(2.0) and rec["train/loss"] == 0.5
+    assert rec["reward/mean"] == pytest.approx(0.5) and rec["samples/trained"] == 4
+    assert rec["policy/staleness_max"] == 1 and rec["samples/trained_beyond_staleness"] == 1  # a v0 token at limit 0
+    assert rec["rollout/prompts_lost"] == 0 and r.records == [rec]
+    assert r.trained_by_engine == Counter({0: 1, 1: 1}) and r.first_trained_version == {0: 1, 1: 0}
+    # The next step starts from zero; the run's totals go on.
+    assert r.engine_rates({0: 0}, now=111.0) == {0: (0, 0.0)}
+    r.trained(112.0)  # the step whose batch was taken at 108
+    r.trainer_free(112.5)
+    rec2 = r.step_done(StepRecord(2, 2, [_group(2, 0, [2])], 108.0, 1, 112.0), SyncStats(3, 0, 0.0, 0.0, 0), 113.0, {})
+    assert rec2["timing/trainer_sync_wait_s"] == pytest.approx(0.5) and rec2["timing/rollout_s"] == 0.0
+    assert rec2["rollout/tokens_per_s"] == 0.0 and rec2["timing/step_s"] == pytest.approx(3.0)
+    assert rec2["samples/trained_beyond_staleness"] == 1 and r.trained_samples == 5 and r.trained_tokens == 15
+
+
+# ---- the engine fleet ------------------------------------------------------------------------
+def test_fleet_places_each_group_on_the_least_loaded_engine_round_robin_among_equals() -> None:
+    fleet, *_ = _fleet(n=3)
+    assert [fleet.place() for _ in range(6)] == [0, 1, 2, 0, 1, 2]
+    fleet.returned(1, 2)
+    assert fleet.place() == 1 and fleet.place() == 1 and fleet.load == {0: 2, 1: 2, 2: 2}
+
+
+def test_fleet_death_requeues_the_engines_groups_and_starts_a_replacement() -> None:
+    fleet, pool, state, _, requeued = _fleet(n=2)
+    fleet.died_now(0, "health check failed", gids=[5])
+    assert requeued == [5, 10, 11]  # the failed call's groups, then what its other calls owed
+    assert fleet.serving == [1] and 0 not in fleet.load and fleet.died == {0}
+    assert ("discard", 0) in pool.log and ("launch", 2) in pool.log
+    assert state.died[0][0] == 0 and "3 prompt group(s) back in the queue" in state.died[0][1]
+    assert fleet.fate["engine_deaths"] == 1 and fleet.fate["engines_replaced"] == 1
+    assert fleet.active() == 2  # the replacement counts as coming
+    fleet.died_now(0, "again", gids=[6])  # a second report of the same death only requeues
+    assert requeued[-1] == 6 and fleet.fate["engine_deaths"] == 1
+
+
+def test_fleet_does_not_replace_a_dead_engine_when_no_step_is_left() -> None:
+    fleet, _, state, *_ = _fleet(n=2, target=2)
+    fleet.apply_scale(more_steps=False)
+    fleet.died_now(1, "actor died")
+    assert not fleet.launching and state.target == 1  # the operator's target follows what is left
+
+
+def test_fleet_scales_up_by_taking_back_a_draining_engine_before_launching() -> None:
+    fleet, pool, state, *_ = _fleet(n=3, target=2)
+    fleet.apply_scale(more_steps=True)
+    assert fleet.serving == [0, 1] and fleet.draining == {2} and ("draining", 2, True) in pool.log
+    state.target = 4
+    fleet.apply_scale(more_steps=True)
+    assert fleet.serving == [0, 1, 2] and not fleet.draining and ("draining", 2, False) in pool.log
+    assert [eid for eid, _, _ in fleet.launching.values()] == [3]
+    state.target = 3
+    fleet.apply_scale(more_steps=True)  # the one still starting is cancelled first
+    assert not fleet.launching and state.removed == [3]
+
+
+def test_fleet_membership_changes_at_a_sync_and_joined_engines_serve_once_it_lands() -> None:
+    fleet, pool, state, job, _ = _fleet(n=3, target=2)
+    fleet.apply_scale(more_steps=True)  # engine 2 drains
+    eid = 3
+    fleet.joining[eid] = _Handle(eid, pool.log)
+    fleet.load[2] = 1  # still has a group: it stays a member
+    fleet.change_at_sync(version=4, rebuild=False)
+    assert job.changes == [[0, 1, 2, 3]] and fleet.joined == [3] and fleet.join_version == {3: 4}
+    assert 3 not in fleet.serving and fleet.draining == {2}
+    fleet.synced(4)
+    assert fleet.serving == [0, 1, 3] and not fleet.joined
+    fleet.load[2] = 0  # its group came back: it leaves at the next sync
+    fleet.change_at_sync(version=5, rebuild=False)
+    assert job.changes[-1] == [0, 1, 3] and state.removed == [2] and ("retire", 2) in pool.log
+    assert fleet.fate["engines_left"] == 1 and fleet.fate["engines_joined"] == 1
+    fleet.change_at_sync(version=6, rebuild=False)  # nobody comes or goes: no rebuild
+    assert len(job.changes) == 2
+    fleet.change_at_sync(version=6, rebuild=True)  # after a failed sync: rebuilt anyway
+    assert len(job.changes) == 3
+
+
+# ---- the sync controller ---------------------------------------------------------------------
+def _sync(overlap_push: bool):
+    fleet, _, state, job, _ = _fleet(n=1)
+    job.trainer = SimpleNamespace(overlap_push=overlap_push)
+    job.started = []
+
+    def start_sync(version, step, from_snapshot=False):
+        job.started.append((version, step, from_snapshot))
+        return PendingSync(version, 0.0, refs=[], from_snapshot=from_snapshot)
+
+    job.start_sync = start_sync
+    job.finish_sync = lambda pending: SyncStats(pending.policy_version, 10, 1.0, 0.5, 1)
+    return SyncController(_cfg(), job, state, fleet, Counter()), job
+
+
+def test_sync_waits_for_the_previous_one_and_blocks_the_trainer_until_its_push_left() -> None:
+    sync, job = _sync(overlap_push=False)
+    assert sync.idle and not sync.blocks_trainer(1)
+    assert sync.snapshot_for(1, limit=1) is None  # no overlap_push: no copy
+    sync.trained(StepRecord(1, 1, [], 0.0))
+    assert sync.blocks_trainer(2)  # its weights have not gone out
+    sync.start_queued(2)
+    assert job.started == [(2, 1, False)] and sync.queued is None and not sync.idle
+    sync.pending.pushed = False  # the push failed: still blocked
+    assert sync.blocks_trainer(2)
+    sync.pending.pushed = True  # the push left the trainer: it may train while engines load
+    assert not sync.blocks_trainer(2)
+    sync.trained(StepRecord(2, 2, [], 0.0))
+    sync.start_queued(3)  # one sync at a time
+    assert len(job.started) == 1 and sync.queued.step == 2
+    stats, record = sync.finish(step=2)
+    assert stats.policy_version == 2 and record.step == 1 and sync.pending is None
+    sync.start_queued(3)
+    assert job.started[-1] == (3, 2, False)
+
+
+def test_a_snapshot_lets_the_trainer_take_its_next_batch_before_its_sync_starts() -> None:
+    sync, job = _sync(overlap_push=True)
+    assert sync.snapshot_for(1, limit=0) is None  # staleness 0: the engines must have it first
+    assert sync.snapshot_for(1, limit=1) == 2 and sync.snapshots == [2]
+    sync.trained(StepRecord(1, 1, [], 0.0))
+    assert not sync.blocks_trainer(2)  # queued, but pushed from a copy
+    sync.start_queued(2)
+    assert job.started == [(2, 1, True)] and not sync.blocks_trainer(2)
+    sync.trained(StepRecord(2, 2, [], 0.0))
+    assert sync.blocks_trainer(3)  # version 3 has no copy and a sync is running: wait
+
+
+def test_replacements_join_in_a_sync_of_no_step() -> None:
+    sync, job = _sync(overlap_push=False)
+    sync.join_replacements(version=3, step=2)
+    stats, record = sync.finish(step=2)
+    assert job.started == [(3, 2, False)] and record is None and stats.policy_version == 3
+
+
+# ---- reward dispatch and generation's queues ---------------------------------------------------
+class _Scorer:
+    def reward(self, text, row, counts):
+        if text == "bad":
+            counts["reward_errors"] += 1
+            return 0.0
+        return float(len(text)) + row["bonus"]
+
+
+def test_rewards_are_scored_on_the_driver_without_workers_and_held_while_generating_when_not_overlapped() -> None:
+    fate = Counter()
+    overlapped = RewardDispatch(_cfg(), _Scorer(), fate, overlap=True)
+    overlapped.finished(3, ["ab", "bad"], {"bonus": 1.0})
+    assert overlapped.inflight() == 1
+    assert overlapped.flush(generating=True) == [(3, [3.0, 0.0], {"reward_errors": 1})]
+    assert overlapped.inflight() == 0 and overlapped.flush(generating=False) == []
+    serial = RewardDispatch(_cfg(), _Scorer(), fate, overlap=False)
+    serial.finished(1, ["a"], {"bonus": 0.0})
+    serial.finished(2, ["abc"], {"bonus": 0.0})
+    assert serial.flush(generating=True) == [] and serial.inflight() == 2  # held until nothing generates
+    assert serial.flush(generating=False) == [(1, [1.0], {}), (2, [3.0], {})]
+    assert fate["reward_calls"] == 0  # no worker was called
+
+
+class _Stream:
+    def __init__(self, log, eid):
+        self.log, self.eid = log, eid
+
+    def options(self, **kw):
+        return self
+
+    def remote(self, reqs):
+        self.log.append((self.eid, [r.request_id for r in reqs]))
+        return f"stream-{self.eid}-{len(self.log)}"
+
+
+def test_generation_sends_requeued_groups_first_and_one_call_per_engine() -> None:
+    fleet, pool, *_ = _fleet(n=2)
+    calls: list = []
+    pool.engines = [SimpleNamespace(generate_stream=_Stream(calls, e)) for e in pool.engine_ids]
+    sched = GroupScheduler(batch_groups=4, max_inflight=8)
+    rows = iter([SimpleNamespace(row={"i": i}, prompt=f"p{i}", index=i) for i in range(10)])
+    fate = Counter()
+    gen = Generation(SimpleNamespace(rollout=pool), sched, rows, lambda text: (len(text),), SamplingSpec(max_tokens=4),
+                     None, fate)
+    gen.submit(fleet, engine_version=1, new=3)
+    assert calls == [(0, ["g0", "g2"]), (1, ["g1"])] and gen.inflight() == 3 and gen.next_gid == 3
+    stream_of_0 = next(ref for ref, owed in gen.calls.items() if "g0" in owed)
+    gen.requeue(gen.streams_of(0))  # engine 0 died: its groups come back first
+    assert list(gen.again) == [0, 2] and stream_of_0 not in gen.calls and fate["groups_requeued"] == 2
+    fleet.serving.remove(0)
+    gen.submit(fleet, engine_version=2, new=1)
+    assert calls[-1][0] == 1 and calls[-1][1][:2] == ["g0-again0", "g2-again1"] and calls[-1][1][2] == "g3"
+    assert sched.inflight[0].engine == 1 and sched.inflight[0].submitted_version == 2 and not gen.again
