@@ -31,11 +31,16 @@ def _hydra_command(argv: list[str], mode: str) -> int:
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf
 
-    from disagg.config import load_config
+    from disagg.config import RENAMED_KEYS, load_config
     from disagg.errors import ConfigError
     from disagg.logs import setup_logging
     from disagg.paths import run_dir_of, runs_root
 
+    for arg in argv:  # hydra would only say that a replaced key is not in the config
+        key = arg.lstrip("+~").split("=", 1)[0]
+        if key in RENAMED_KEYS:
+            print(f"disagg: invalid config: {RENAMED_KEYS[key]}", file=sys.stderr)
+            return 2
     result: dict[str, int] = {"rc": 1}
     # hydra.run.dir is <this>/<time> (configs/train.yaml): a default root never lies in a Ray job's
     # working-dir package, and disagg.paths.RunDirCheck refuses any run directory there before hydra

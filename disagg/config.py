@@ -361,7 +361,20 @@ class LoggingConfig:
     when launched inside a Ray job's working-dir package (which Ray deletes); a root inside such a
     package is an error (disagg.paths)."""
     level: str = "INFO"
-    tensorboard: bool = True
+    backends: tuple[str, ...] = ("jsonl", "tensorboard")
+    """Where per-step metrics go: any of jsonl, tensorboard, wandb, mlflow (disagg.trackers).
+    <run_dir>/metrics.jsonl is written whether listed or not. wandb and mlflow are extras:
+    pip install 'disagg[wandb]' / 'disagg[mlflow]'."""
+    project: str = "disagg"
+    """The wandb project and the MLflow experiment."""
+    run_name: str | None = None
+    """The tracker run's display name; null = the run directory's name."""
+    wandb_mode: Literal["online", "offline"] | None = None
+    """null = $WANDB_MODE, else online (needs `wandb login`); offline writes under $WANDB_DIR, else
+    the run directory, for a later `wandb sync`."""
+    mlflow_tracking_uri: str | None = None
+    """null = $MLFLOW_TRACKING_URI, else sqlite:///<run_dir>/mlflow.db (artifacts in
+    <run_dir>/mlflow-artifacts)."""
     plot: bool = True
     progress: bool = True
     """Show a progress bar."""
@@ -453,6 +466,13 @@ def _coerce(key: str, tp: Any, value: Any) -> Any:
     raise ConfigError(f"{key}: unsupported config type {tp}")
 
 
+RENAMED_KEYS = {
+    "logging.tensorboard": "logging.tensorboard was replaced by logging.backends, a list of jsonl, tensorboard, "
+                           "wandb, mlflow (default [jsonl,tensorboard]; logging.backends=[jsonl] turns TensorBoard off)",
+}
+"""Keys that were replaced -> the message that names the new key."""
+
+
 def _build(cls: type, data: Any, prefix: str) -> Any:
     if data is None:
         data = {}
@@ -463,6 +483,8 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
     unknown = sorted(set(data) - names)
     if unknown:
         where = f"{prefix}." if prefix else ""
+        if f"{where}{unknown[0]}" in RENAMED_KEYS:
+            raise ConfigError(RENAMED_KEYS[f"{where}{unknown[0]}"])
         raise ConfigError(f"unknown config key {where}{unknown[0]} (known under {prefix or 'root'}: {sorted(names)})")
     kwargs = {}
     for f in dataclasses.fields(cls):
@@ -636,6 +658,9 @@ def validate(cfg: Config, mode: str = "train") -> Config:
     _check(cfg.reward.num_workers >= 0, f"reward.num_workers={cfg.reward.num_workers}: must be >= 0")
     _check(cfg.reward.latency_s >= 0, f"reward.latency_s={cfg.reward.latency_s}: must be >= 0")
     _check(cfg.trainer.step_delay_s >= 0, f"trainer.step_delay_s={cfg.trainer.step_delay_s}: must be >= 0")
+    from disagg.trackers import check_backends
+
+    check_backends(cfg.logging.backends, need_packages=mode == "train")
     if cfg.trainer.num_workers > 1:
         per = a.prompts_per_step * a.group_size
         _check(

@@ -1,16 +1,22 @@
-"""Per-step metrics: ``<run_dir>/metrics.jsonl``, TensorBoard, and a reward plot.
+"""Per-step metrics: ``<run_dir>/metrics.jsonl``, the trackers of ``logging.backends``
+(TensorBoard, wandb, MLflow: ``disagg.trackers``), and a reward plot.
 
 One JSON object per step with slash-path keys and unit suffixes
-(``timing/weight_sync_s``, ``weight_sync/gb_per_s``). The reward curve is drawn
-at the end because people would rather look at it than read the JSONL.
+(``timing/weight_sync_s``, ``weight_sync/gb_per_s``); every tracker gets the same names and steps.
+The JSONL is always written: resume, the plot and the run's summary read it. The reward curve is
+drawn at the end because people would rather look at it than read the JSONL.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from disagg.trackers import Tracker, scalars
 
 log = logging.getLogger("disagg.metrics")
 
@@ -28,40 +34,45 @@ REQUIRED_KEYS = (
 
 
 class MetricsWriter:
-    """Appends to ``<run_dir>/metrics.jsonl`` and ``<run_dir>/tensorboard``.
+    """Appends to ``<run_dir>/metrics.jsonl`` and logs each step to ``trackers``.
 
     ``resume_step``: the run continues after that step (a resume from its checkpoint). Records of
     later steps - written after that checkpoint, by a run that then died or was resumed from an
-    older checkpoint - are removed from the JSONL (``num_dropped``) and hidden in TensorBoard, so
-    each step appears once.
+    older checkpoint - are removed from the JSONL (``num_dropped``); trackers that can replace a
+    step (TensorBoard) hide them, the others (wandb, MLflow) already hold those steps and are not
+    sent them again, so each step appears once everywhere.
     """
 
-    def __init__(self, run_dir: Path, tensorboard: bool = True, resume_step: int | None = None):
+    def __init__(self, run_dir: Path, trackers: Sequence[Tracker] = (), resume_step: int | None = None):
         self.path = run_dir / "metrics.jsonl"
         self.num_dropped = 0
+        self._held_until = resume_step or 0  # trackers that cannot replace a step hold those up to here
         if resume_step is not None and self.path.exists():
+            self._held_until = max([resume_step, *(r["step"] for r in read_metrics(self.path))])
             self.num_dropped = truncate_metrics(self.path, resume_step)
         self._f = self.path.open("a")
-        self._tb = None
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            purge = resume_step + 1 if resume_step is not None else None
-            self._tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=purge)
+        self.trackers = list(trackers)
+        keep = [t.name for t in self.trackers if not t.replaces_steps]
+        if keep and self._held_until > (resume_step or 0):
+            log.warning("%s already hold steps %d-%d from before the checkpoint of step %d resumed from: they keep "
+                        "those values (metrics.jsonl gets the steps run again)", ", ".join(keep), resume_step + 1,
+                        self._held_until, resume_step)
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         rec = {"step": step, **metrics}
         self._f.write(json.dumps(rec) + "\n")
         self._f.flush()
-        if self._tb is not None:
-            for k, v in metrics.items():
-                if isinstance(v, (int, float)):
-                    self._tb.add_scalar(k, v, step)
+        values = scalars(metrics)
+        for t in self.trackers:
+            if t.replaces_steps or step > self._held_until:
+                t.log(step, values)
 
     def close(self) -> None:
+        """Close the JSONL and end each tracker's run (as failed when called while an exception propagates)."""
+        failed = sys.exc_info()[0] is not None
         self._f.close()
-        if self._tb is not None:
-            self._tb.close()
+        for t in self.trackers:
+            t.close(failed)
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

@@ -31,6 +31,7 @@ from disagg.resume import (ResumableSource, ResumePoint, config_changes, default
 from disagg.scoring import Scorer
 from disagg.tasks.base import PromptSource, get_reward
 from disagg.tasks.sandbox import require_filesystem_isolation
+from disagg.trackers import open_trackers
 
 log = logging.getLogger("disagg.train")
 
@@ -103,7 +104,8 @@ def run(cfg: Config, run_dir: Path) -> Path:
     model_path = resume.checkpoint if resume else prepare_model(cfg)
     base_model = resume.base_model_path if resume else str(model_path)
     tokenizer = AutoTokenizer.from_pretrained(storage.local_copy(str(model_path), cfg.model.cache_dir))
-    metrics = MetricsWriter(run_dir, tensorboard=cfg.logging.tensorboard, resume_step=resume.step if resume else None)
+    resume_step = resume.step if resume else None
+    metrics = MetricsWriter(run_dir, open_trackers(cfg, run_dir, resume_step), resume_step=resume_step)
     job = Job.start(cfg, run_dir, model_path)
     try:
         write_placement(job)

@@ -17,7 +17,7 @@ SMALL = {
     "rollout": {"max_model_len": 32, "max_tokens": 8},
     "algorithm": {"group_size": 4, "prompts_per_step": 4},
     "model": {"warmstart": {"steps": 30}},
-    "logging": {"tensorboard": True, "progress": False},
+    "logging": {"backends": ["jsonl", "tensorboard"], "progress": False},
 }
 
 

@@ -69,7 +69,7 @@ class PipelineBenchOptions:
 def _base_config(o: PipelineBenchOptions, **overrides: dict):
     from disagg.config import load_config
 
-    data: dict[str, Any] = {"logging": {"progress": False, "tensorboard": False, "plot": False},
+    data: dict[str, Any] = {"logging": {"progress": False, "backends": ["jsonl"], "plot": False},
                             "cluster": {"num_cpus": o.cpus}}
     rollout_cores, trainer_cores = pool_cores(o.pin_pools)
     if rollout_cores:

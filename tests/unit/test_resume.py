@@ -255,12 +255,12 @@ def test_config_changes_lists_the_keys_that_differ():
 
 
 def test_a_resumed_metrics_writer_continues_after_the_checkpoint_step(tmp_path):
-    w = MetricsWriter(tmp_path, tensorboard=False)
+    w = MetricsWriter(tmp_path)
     for s in range(1, 8):
         w.log(s, {"reward/mean": s / 10})
     w.close()
     # The run died after step 7; its latest checkpoint is step 5: steps 6, 7 are trained again.
-    w = MetricsWriter(tmp_path, tensorboard=False, resume_step=5)
+    w = MetricsWriter(tmp_path, resume_step=5)
     assert w.num_dropped == 2
     for s in (6, 7, 8):
         w.log(s, {"reward/mean": 1.0})
