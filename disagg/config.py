@@ -159,7 +159,8 @@ class RolloutConfig:
     """Upper bound on prompt groups generating at once (stream); admission control may allow fewer."""
     openai_api: bool = True
     """Each engine serves vLLM's OpenAI API (/v1/chat/completions, /v1/completions, ...) behind the
-    same weights-loaded gate; the addresses are in `disagg ctl status`."""
+    same weights-loaded gate, and vLLM's Prometheus metrics at /metrics; the addresses are in
+    `disagg ctl status`."""
     api_host: str = "127.0.0.1"
     """Interface the OpenAI API binds to; 'node' = the node's IP (reachable from other nodes)."""
     api_port_base: int = 0
@@ -213,6 +214,9 @@ class ControlConfig:
     """PEM private key of ``tls_cert``."""
     tls_ca: str | None = None
     """PEM the clients verify the server against; null = ``tls_cert`` itself (self-signed)."""
+    metrics_port: int | None = 0
+    """Port of the coordinator's Prometheus endpoint (``/metrics`` on ``host``, HTTPS with the TLS
+    cert); 0 picks a free one (logged, shown by ``disagg ctl status``); null = no endpoint."""
 
 
 @dataclass(frozen=True)
@@ -592,6 +596,10 @@ def validate(cfg: Config, mode: str = "train") -> Config:
     for key, v in (("control.tls_cert", c.tls_cert), ("control.tls_key", c.tls_key), ("control.tls_ca", c.tls_ca)):
         _check(v is None or os.path.isfile(os.path.expanduser(v)), f"{key}={v!r}: no such file")
     _check(0 <= cfg.control.port < 65536, f"control.port={cfg.control.port}: must be in [0, 65535]")
+    _check(c.metrics_port is None or 0 <= c.metrics_port < 65536,
+           f"control.metrics_port={c.metrics_port}: must be in [0, 65535] (0 = a free port) or null (off)")
+    _check(not c.metrics_port or c.metrics_port != c.port,
+           f"control.metrics_port={c.metrics_port} and control.port={c.port}: /metrics needs a port of its own")
     _check_cluster_placement(cfg.cluster)
     if cfg.model.path is None:
         tiny = cfg.model.tiny

@@ -95,7 +95,8 @@ class Job:
         self.token, token_path = write_token(self.run_dir)
         c = cfg.control
         self.coordinator = CoordinatorServer(c.host, c.port, cfg.algorithm.max_staleness, str(self.run_dir),
-                                             token=self.token, tls_cert=c.tls_cert, tls_key=c.tls_key).start()
+                                             token=self.token, tls_cert=c.tls_cert, tls_key=c.tls_key,
+                                             metrics_port=c.metrics_port).start()
         (self.run_dir / "coordinator.addr").write_text(self.coordinator.address + "\n")
         log.info("coordinator listening on %s (token in %s)", self.coordinator.address, token_path)
         self.pools = create_pools(cfg, device)

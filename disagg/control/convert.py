@@ -171,6 +171,7 @@ def status_to_proto(s: ClusterStatus) -> pb.Status:
         started_unix_s=s.started_unix_s,
         **{k: getattr(s, k) for k in RUN_FIELDS},
         events=[pb.Event(unix_s=e.unix_s, kind=e.kind, message=e.message) for e in s.events],
+        metrics_url=s.metrics_url,
     )
 
 
@@ -186,4 +187,5 @@ def status_from_proto(p: pb.Status) -> ClusterStatus:
         started_unix_s=p.started_unix_s,
         **{k: getattr(p, k) for k in RUN_FIELDS},
         events=tuple(Event(e.unix_s, e.kind, e.message) for e in p.events),
+        metrics_url=p.metrics_url,
     )

@@ -1,7 +1,8 @@
 """``disagg ctl``: look at and steer a running job from a shell.
 
 One subcommand per Ops call: ``status`` (pools, engines with state / version /
-load, trainer step, staleness limit, buffer), ``pause`` / ``resume`` (the
+load and vLLM's ``/metrics`` address, trainer step, staleness limit, buffer, the
+coordinator's Prometheus endpoint), ``pause`` / ``resume`` (the
 rollout), ``set-staleness N``, ``scale N`` (rollout engines), ``checkpoint``, ``stop`` (graceful: finish the
 step, checkpoint, exit 0) and ``watch`` (per-step metrics as they come).
 ``--run-dir`` finds the job's address and token in its run directory;
@@ -193,6 +194,7 @@ def render_status(status: ClusterStatus, console: Console) -> None:
     scaling = f", scaling to {status.target_engines} engines" if status.target_engines and status.target_engines != live else ""
     header.add_row("rollout", ("paused" if status.rollout_paused else "running") + scaling)
     header.add_row("groups", f"{status.inflight_groups} in flight, {status.buffer_groups} ready to train")
+    header.add_row("metrics", status.metrics_url or "no Prometheus endpoint (control.metrics_port=null)")
     console.print(header)
 
     pools = Table(title="pools", title_justify="left")
@@ -205,7 +207,7 @@ def render_status(status: ClusterStatus, console: Console) -> None:
     engines = Table(title="engines", title_justify="left")
     for col in ("id", "state", "version", "in flight", "tok/s", "pid"):
         engines.add_column(col, no_wrap=True)
-    for col in ("node", "address", "updated", "message"):
+    for col in ("node", "address", "vLLM /metrics", "updated", "message"):
         engines.add_column(col, overflow="fold")
     for e in status.engines:
         engines.add_row(
@@ -217,6 +219,7 @@ def render_status(status: ClusterStatus, console: Console) -> None:
             str(e.pid),
             e.node_ip,
             e.address or "-",
+            e.vllm_metrics_url or "none: no HTTP server (rollout.openai_api=false)",
             _age(now - e.last_update_unix_s) + " ago",
             escape(e.message),  # errors quote "[file:line]": not rich markup
         )

@@ -91,6 +91,18 @@ class CoordinatorState:
         # always find a thread.
         self._blocking = 0
         self.max_blocking_calls = 16
+        # Told of each published step and event, outside the lock (the Prometheus exporter).
+        self._observers: list = []
+        self._metrics_url = ""
+
+    def add_observer(self, observer) -> None:
+        """``observer.step_published(step, values)`` and ``observer.event_recorded(event)`` are called from
+        then on, in the publishing thread, after the state has changed."""
+        self._observers.append(observer)
+
+    def set_metrics_url(self, url: str) -> None:
+        with self._lock:
+            self._metrics_url = url
 
     def register_pool(self, pool: PoolStatus) -> None:
         if pool.name not in POOL_NAMES:
@@ -241,6 +253,8 @@ class CoordinatorState:
             self._metrics.append((step, values))
             del self._metrics[: max(0, len(self._metrics) - self._metrics_kept)]
             self._changed.notify_all()
+        for observer in self._observers:
+            observer.step_published(step, values)
 
     def watch_metrics(self, from_step: int, active, poll_s: float = 1.0):
         """Yield (step, values) from ``from_step`` on (0: from the next step) until the run stops or ``active()``
@@ -350,9 +364,12 @@ class CoordinatorState:
 
     def record_event(self, kind: str, message: str) -> None:
         """Something the operator should see in ``disagg ctl status`` (the last 100 are kept)."""
+        event = Event(time.time(), kind, message)
         with self._lock:
-            self._events.append(Event(time.time(), kind, message))
+            self._events.append(event)
         logger.warning("[event] %s: %s", kind, message)
+        for observer in self._observers:
+            observer.event_recorded(event)
 
     def engine_died(self, engine_id: int, why: str) -> None:
         """An engine is gone (dead or stuck and killed): DEAD in the status, out of the commit."""
@@ -446,6 +463,7 @@ class CoordinatorState:
                 target_engines=self._run["target_engines"],
                 events=tuple(self._events),
                 training_groups=self._run["training_groups"],
+                metrics_url=self._metrics_url,
             )
 
     def _committed_locked(self) -> int:
@@ -573,7 +591,7 @@ class CoordinatorServer:
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, max_staleness: int = 0, run_dir: str = "",
                  max_workers: int = 32, num_manifests_kept: int = 4, token: str | None = None,
-                 tls_cert: str | None = None, tls_key: str | None = None):
+                 tls_cert: str | None = None, tls_key: str | None = None, metrics_port: int | None = None):
         if (tls_cert is None) != (tls_key is None):
             raise ControlError(f"TLS needs both control.tls_cert and control.tls_key (got cert={tls_cert!r}, "
                                f"key={tls_key!r})")
@@ -584,6 +602,8 @@ class CoordinatorServer:
         self._max_workers = max_workers
         self._server: grpc.Server | None = None
         self._port = 0
+        self._metrics_port = metrics_port  # Prometheus /metrics on host:metrics_port (0: free); None: off
+        self.metrics = None  # the MetricsExporter while serving
 
     def start(self) -> "CoordinatorServer":
         if self._server is not None:
@@ -605,6 +625,16 @@ class CoordinatorServer:
             raise ControlError(f"coordinator could not bind {target}")
         server.start()
         self._server, self._port = server, port
+        if self._metrics_port is not None:
+            from disagg.control.prometheus import MetricsExporter
+
+            self.metrics = MetricsExporter(self.state)
+            try:
+                url = self.metrics.serve(self.host, self._metrics_port, self.tls_cert, self.tls_key)
+            except ControlError:
+                self.stop(0.0)
+                raise
+            self.state.set_metrics_url(url)
         logger.info("[coordinator] serving at %s (max_staleness=%d, %s, %s)", self.address,
                     self.state.max_staleness(), "TLS" if self.tls_cert else "no TLS",
                     "token required" if self.token else "no token")
@@ -621,6 +651,9 @@ class CoordinatorServer:
         """Stop serving; in-flight calls get ``grace_s`` to finish. A no-op if not started."""
         if self._server is None:
             return
+        if self.metrics is not None:
+            self.metrics.stop()
+            self.metrics = None
         address = self.address
         done = self._server.stop(grace_s)
         if not done.wait(timeout=grace_s + 5.0):

@@ -69,6 +69,11 @@ class EngineStatus:
     inflight_groups: int = 0  # prompt groups the driver has in flight on it
     tokens_per_s: float = 0.0  # generated tokens per second over the last step
 
+    @property
+    def vllm_metrics_url(self) -> str:
+        """vLLM's own Prometheus endpoint on the engine's OpenAI server; "" if it serves no HTTP."""
+        return f"{self.address}/metrics" if self.address else ""
+
 
 @dataclass(frozen=True)
 class Event:
@@ -105,6 +110,7 @@ class ClusterStatus:
     target_engines: int = 0  # the rollout pool's size once scaling settles (0: no run)
     events: tuple[Event, ...] = ()  # the latest events, oldest first
     training_groups: int = 0  # groups handed to the trainer whose step's weights are not synced yet
+    metrics_url: str = ""  # the coordinator's Prometheus endpoint; "" when control.metrics_port is null
 
     def engine(self, engine_id: int) -> EngineStatus:
         for e in self.engines:
@@ -113,17 +119,19 @@ class ClusterStatus:
         raise KeyError(f"engine {engine_id} is not registered (registered: {[e.engine_id for e in self.engines]})")
 
     def to_dict(self) -> dict:
-        """JSON-ready dict; engine states become their names."""
+        """JSON-ready dict; engine states become their names, and each engine gets its ``vllm_metrics_url``."""
         d = asdict(self)
-        for e in d["engines"]:
+        for e, engine in zip(d["engines"], self.engines):
             e["state"] = EngineState(e["state"]).value
+            e["vllm_metrics_url"] = engine.vllm_metrics_url
         return d
 
     @staticmethod
     def from_dict(d: dict) -> "ClusterStatus":
         return ClusterStatus(
             pools=tuple(PoolStatus(**p) for p in d["pools"]),
-            engines=tuple(EngineStatus(**{**e, "state": EngineState(e["state"])}) for e in d["engines"]),
+            engines=tuple(EngineStatus(**{**{k: v for k, v in e.items() if k != "vllm_metrics_url"},
+                                          "state": EngineState(e["state"])}) for e in d["engines"]),
             latest_version=int(d["latest_version"]),
             committed_version=int(d["committed_version"]),
             max_staleness=int(d["max_staleness"]),
@@ -132,4 +140,5 @@ class ClusterStatus:
             started_unix_s=float(d["started_unix_s"]),
             **{k: d[k] for k in RUN_FIELDS if k in d},
             events=tuple(Event(**e) for e in d.get("events", ())),
+            metrics_url=d.get("metrics_url", ""),
         )

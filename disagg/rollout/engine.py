@@ -140,7 +140,9 @@ class EngineActor:
             logprobs_mode="processed_logprobs",
             weight_transfer_config={"backend": "disagg"},
             worker_extension_cls=WORKER_EXTENSION,
-            disable_log_stats=True,
+            # Stats feed vLLM's Prometheus metrics, served at the OpenAI server's /metrics; nothing
+            # calls do_log_stats, so they are never printed.
+            disable_log_stats=not self.cfg.openai_api,
         )
         self._engine = AsyncLLM.from_engine_args(args)
         self._mode = vllm_api.resolve_in_flight_mode(self.cfg.in_flight_at_sync,

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import datetime
 import os
+import ssl
 import stat
 import threading
 import time
+import urllib.request
 
 import grpc
 import pytest
@@ -235,10 +237,20 @@ def _self_signed(tmp_path):
 def test_tls_with_token(tmp_path):
     cert, key = _self_signed(tmp_path)
     token, _ = write_token(tmp_path)
-    srv = CoordinatorServer(port=0, run_dir=str(tmp_path), token=token, tls_cert=cert, tls_key=key).start()
+    srv = CoordinatorServer(port=0, run_dir=str(tmp_path), token=token, tls_cert=cert, tls_key=key,
+                            metrics_port=0).start()
     try:
         with CoordinatorClient(srv.address, timeout_s=5, token=token, tls_ca=cert) as c:
-            assert c.status().run_dir == str(tmp_path)
+            status = c.status()
+            assert status.run_dir == str(tmp_path)
+        # /metrics speaks TLS with the same certificate.
+        url = status.metrics_url
+        assert url.startswith("https://127.0.0.1:")
+        context = ssl.create_default_context(cafile=cert)
+        with urllib.request.urlopen(url, timeout=5, context=context) as r:
+            assert f'disagg_run_info{{run_dir="{tmp_path}"}} 1.0' in r.read().decode()
+        with pytest.raises(OSError):  # plain HTTP: refused (the connection is reset)
+            urllib.request.urlopen(url.replace("https", "http"), timeout=5)
         with CoordinatorClient(srv.address, timeout_s=3, token=token) as plain:  # no TLS: no connection
             with pytest.raises(ControlRpcError) as e:
                 plain.status()

@@ -1,5 +1,6 @@
 """Operating a live `disagg train` run (a subprocess: real Ray, vLLM, gloo) over the Ops gRPC service:
-token, watch, pause/resume, set-staleness, checkpoint, graceful stop."""
+token, watch, pause/resume, set-staleness, checkpoint, graceful stop; and scraping its Prometheus
+endpoints (the coordinator's and each engine's vLLM /metrics) while it runs."""
 
 from __future__ import annotations
 
@@ -8,10 +9,13 @@ import os
 import stat
 import threading
 import time
+import urllib.request
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from disagg.control.auth import read_token
+from disagg.control import ctl
 from disagg.control.client import ControlRpcError, CoordinatorClient
 from tests.conftest import SMALL_CLI, disagg_process
 
@@ -47,6 +51,55 @@ def live_run(tmp_path_factory, model_cache):
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=60)
+
+
+def _scrape(url: str) -> dict[str, float]:
+    """{sample name with its labels: value} of one scrape, parsed by prometheus-client."""
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    return {s.name + "".join(f",{k}={v}" for k, v in sorted(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_prometheus_endpoints_of_a_live_run(live_run, capsys):
+    run_dir, proc, client = live_run
+    assert ctl.main(["status", "--run-dir", str(run_dir), "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    url = shown["metrics_url"]
+    assert url.startswith("http://127.0.0.1:") and url.endswith("/metrics")
+    assert ctl.main(["status", "--run-dir", str(run_dir)]) == 0
+    assert url in capsys.readouterr().out
+
+    def agreeing():  # a scrape, the status, a scrape: the same versions when no step finished between
+        before, st, after = _scrape(url), client.status(), _scrape(url)
+        keys = [("disagg_trainer_policy_version", st.trainer_version), ("disagg_trainer_step", st.trainer_step),
+                ("disagg_committed_policy_version", st.committed_version)]
+        if all(before[k] == v == after[k] for k, v in keys):
+            return after, st
+
+    first, st = _wait(agreeing, 60, "a scrape that agrees with the status", proc)
+    assert first["disagg_max_staleness"] == st.max_staleness
+    _wait(lambda: client.status().trainer_step >= st.trainer_step + 2, 120, "two more steps", proc)
+    second, st2 = _wait(agreeing, 60, "a scrape that agrees with the status", proc)
+    assert second["disagg_trainer_policy_version"] > first["disagg_trainer_policy_version"]
+    assert second["disagg_committed_policy_version"] >= first["disagg_trainer_policy_version"]
+    assert second["disagg_weight_sync_seconds_count"] > first["disagg_weight_sync_seconds_count"] >= 1
+    assert second["disagg_weight_sync_seconds_sum"] > 0
+    assert second["disagg_staleness_max_seen"] <= second["disagg_max_staleness"]
+    for must_be_zero in ("disagg_dummy_served_groups_total", "disagg_trained_beyond_staleness_samples_total",
+                         "disagg_prompts_lost", "disagg_engine_deaths_total"):
+        assert second[must_be_zero] == 0, must_be_zero
+    engine_ids = [e.engine_id for e in st2.engines]
+    assert sum(second[f"disagg_engine_tokens_per_second,engine_id={i}"] for i in engine_ids) > 0
+    for e in st2.engines:
+        assert second[f"disagg_engine_state,disagg_engine_state={e.state.value},engine_id={e.engine_id}"] == 1
+
+    # Each engine's own vLLM /metrics, at the address ctl status lists: vLLM's engine metrics, counting tokens.
+    for e in shown["engines"]:
+        assert e["vllm_metrics_url"] == e["address"] + "/metrics"
+        vllm = _scrape(e["vllm_metrics_url"])
+        generated = [v for k, v in vllm.items() if k.startswith("vllm:generation_tokens_total")]
+        assert generated and sum(generated) > 0, sorted(k for k in vllm if k.startswith("vllm:"))[:20]
 
 
 def test_operating_a_live_run(live_run):
