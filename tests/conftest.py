@@ -82,6 +82,14 @@ def ray_session():
     ray.shutdown()
 
 
+@pytest.fixture(scope="module")
+def tok(job):
+    """The tokenizer of the module's ``job`` (each test module that asks for it defines its own ``job``)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(job.model_path)
+
+
 def long_request_across_syncs(job, prompt: list[int], num_tokens: int, max_versions: int | None = None,
                               poll_s: float = 0.0):
     """Generate one 2-sample request of exactly ``num_tokens`` tokens on engine 0 while the trainer

@@ -62,13 +62,6 @@ def job(ray_session, model_cache, tmp_path_factory):
     j.shutdown()
 
 
-@pytest.fixture(scope="module")
-def tok(job):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(job.model_path)
-
-
 def _ids(tok, text: str) -> list[int]:
     return [tok.bos_token_id] + tok.encode(text, add_special_tokens=False)
 

@@ -40,13 +40,6 @@ def job(ray_session, model_cache, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def tok(job):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(job.model_path)
-
-
-@pytest.fixture(scope="module")
 def fmt(tok):
     from disagg.agent.format import ChatFormat
 

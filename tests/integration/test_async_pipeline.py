@@ -34,13 +34,6 @@ def job(ray_session, model_cache, tmp_path_factory):
     j.shutdown()
 
 
-@pytest.fixture(scope="module")
-def tok(job):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(job.model_path)
-
-
 def _next_version(job) -> int:
     return job.coordinator.state.latest_version() + 1
 

@@ -32,13 +32,6 @@ def job(ray_session, model_cache, tmp_path_factory):
     j.shutdown()
 
 
-@pytest.fixture(scope="module")
-def tok(job):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(job.model_path)
-
-
 def test_an_engine_on_vllm_without_labels_would_resubmit(job):
     """The mode each engine runs in is reported at start (here asked for; on vLLM 0.26 chosen)."""
     assert [i["in_flight_at_sync"] for i in job.rollout.start_info] == ["resubmit"]

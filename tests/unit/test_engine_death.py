@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from disagg import faults
-from disagg.control.server import CoordinatorState
+from disagg.control.state import CoordinatorState
 from disagg.control.types import EngineInfo, EngineState
 from disagg.transport.manifest import Manifest
 

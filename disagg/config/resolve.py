@@ -1,0 +1,31 @@
+"""What the ``auto`` settings of a ``Config`` become on this machine: the bundles' device, the transport backend."""
+
+from __future__ import annotations
+
+from disagg.config.schema import Config
+from disagg.errors import ConfigError
+
+
+def resolve_device(cfg: Config) -> str:
+    """'cpu' or 'cuda' for this run's bundles."""
+    if cfg.cluster.device != "auto":
+        return cfg.cluster.device
+    try:
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    except ImportError:
+        return "cpu"
+
+
+def shares_gpus(cfg: Config) -> bool:
+    """Whether trainer and engine bundles ask for fractions of a GPU (so that they may share one)."""
+    return cfg.trainer.gpus_per_worker < 1 or cfg.rollout.gpus_per_engine < 1
+
+
+def resolve_backend(cfg: Config, device: str) -> str:
+    if cfg.transport.backend != "auto":
+        if cfg.transport.backend == "nccl" and device != "cuda":
+            raise ConfigError("transport.backend='nccl' needs cluster.device=cuda; use 'gloo' on CPU")
+        return cfg.transport.backend
+    return "nccl" if device == "cuda" and not shares_gpus(cfg) else "gloo"
