@@ -32,8 +32,25 @@ from disagg.config.schema import (
 from disagg.errors import ConfigError
 
 __all__ = [
-    "AgentConfig", "AlgorithmConfig", "ClusterConfig", "Config", "ConfigError", "ControlConfig", "DataConfig",
-    "LoggingConfig", "ModelConfig", "RENAMED_KEYS", "RewardConfig", "RolloutConfig", "TinyModelConfig", "TrainerConfig",
-    "TransportConfig", "WarmStartConfig", "load_config", "resolve_backend", "resolve_device", "shares_gpus",
+    "RENAMED_KEYS",
+    "AgentConfig",
+    "AlgorithmConfig",
+    "ClusterConfig",
+    "Config",
+    "ConfigError",
+    "ControlConfig",
+    "DataConfig",
+    "LoggingConfig",
+    "ModelConfig",
+    "RewardConfig",
+    "RolloutConfig",
+    "TinyModelConfig",
+    "TrainerConfig",
+    "TransportConfig",
+    "WarmStartConfig",
+    "load_config",
+    "resolve_backend",
+    "resolve_device",
+    "shares_gpus",
     "validate",
 ]

@@ -20,8 +20,12 @@ import logging
 import threading
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
-from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily,
-                                    StateSetMetricFamily)
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    InfoMetricFamily,
+    StateSetMetricFamily,
+)
 
 from disagg.control.types import ClusterStatus, EngineState, Event
 from disagg.errors import ControlError
@@ -92,7 +96,7 @@ PHASES = ("starting", "running", "paused", "stopping", "stopped", "failed")
 class _StateCollector:
     """Builds the scrape-time families from the state and the exporter's last step record."""
 
-    def __init__(self, state, exporter: "MetricsExporter"):
+    def __init__(self, state, exporter: MetricsExporter):
         self._state, self._exporter = state, exporter
 
     def collect(self):

@@ -21,7 +21,15 @@ from dataclasses import replace
 
 import grpc
 
-from disagg.control.types import POOL_NAMES, ClusterStatus, EngineInfo, EngineState, EngineStatus, Event, PoolStatus
+from disagg.control.types import (
+    POOL_NAMES,
+    ClusterStatus,
+    EngineInfo,
+    EngineState,
+    EngineStatus,
+    Event,
+    PoolStatus,
+)
 from disagg.errors import ControlError
 from disagg.transport.manifest import Manifest, layout_mismatch
 

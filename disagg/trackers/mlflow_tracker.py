@@ -42,7 +42,10 @@ class MlflowTracker:
                  resume_step: int | None):
         from mlflow import MlflowClient
         from mlflow.entities import Param
-        from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH, MAX_PARAMS_TAGS_PER_BATCH
+        from mlflow.utils.validation import (
+            MAX_PARAM_VAL_LENGTH,
+            MAX_PARAMS_TAGS_PER_BATCH,
+        )
 
         self.uri, in_run_dir = tracking_uri(cfg.mlflow_tracking_uri, run_dir)
         self._client = MlflowClient(self.uri)

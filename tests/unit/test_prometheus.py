@@ -69,7 +69,7 @@ def test_the_scrape_reports_the_state():
     assert m[("disagg_inflight_groups", ())] == 7 and m[("disagg_ready_groups", ())] == 6
     assert m[("disagg_training_groups", ())] == 2 and m[("disagg_trainer_step", ())] == 3
 
-    eng = lambda i: (("engine_id", str(i)),)  # noqa: E731
+    eng = lambda i: (("engine_id", str(i)),)
     assert m[("disagg_engine_tokens_per_second", eng(0))] == 1234.5
     assert m[("disagg_engine_tokens_per_second", eng(1))] == 987.0
     assert m[("disagg_engine_inflight_groups", eng(1))] == 4
