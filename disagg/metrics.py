@@ -52,6 +52,7 @@ class MetricsWriter:
             self.num_dropped = truncate_metrics(self.path, resume_step)
         self._f = self.path.open("a")
         self.trackers = list(trackers)
+        self.failed_trackers: list[str] = []  # trackers whose log raised: dropped, the run goes on
         keep = [t.name for t in self.trackers if not t.replaces_steps]
         if keep and self._held_until > (resume_step or 0):
             log.warning("%s already hold steps %d-%d from before the checkpoint of step %d resumed from: they keep "
@@ -63,9 +64,20 @@ class MetricsWriter:
         self._f.write(json.dumps(rec) + "\n")
         self._f.flush()
         values = scalars(metrics)
-        for t in self.trackers:
+        for t in list(self.trackers):
             if t.replaces_steps or step > self._held_until:
-                t.log(step, values)
+                try:
+                    t.log(step, values)
+                except Exception as e:  # noqa: BLE001 - a tracker's failure must not end the run
+                    # metrics.jsonl has every step; the tracker is left out from here on.
+                    log.error("tracker %s failed at step %d and gets no more steps (metrics.jsonl has them all): "
+                              "%s: %s", t.name, step, type(e).__name__, e)
+                    self.trackers.remove(t)
+                    self.failed_trackers.append(t.name)
+                    try:
+                        t.close(True)
+                    except Exception:  # noqa: BLE001 - already reported above
+                        log.debug("tracker %s could not be closed either", t.name, exc_info=True)
 
     def close(self) -> None:
         """Close the JSONL and end each tracker's run (as failed when called while an exception propagates)."""

@@ -103,6 +103,23 @@ def test_every_tracker_gets_the_jsonl_names_and_steps_and_a_resume_sends_each_st
     assert (a.closed, b.closed) == (True, True)  # closed while an exception propagated: a failed run
 
 
+def test_a_tracker_that_fails_is_left_out_and_the_run_and_the_other_trackers_go_on(tmp_path):
+    class _Down(_Fake):
+        def log(self, step, metrics):
+            if step == 2:
+                raise ConnectionError("tracker server unreachable")
+            super().log(step, metrics)
+
+    down, ok = _Down("wandb", False), _Fake("mlflow", False)
+    w = MetricsWriter(tmp_path, [down, ok])
+    for s in (1, 2, 3):
+        w.log(s, {"reward/mean": s / 10})
+    w.close()
+    assert [s for s, _ in down.logged] == [1] and [s for s, _ in ok.logged] == [1, 2, 3]
+    assert [r["step"] for r in read_metrics(w.path)] == [1, 2, 3] and w.failed_trackers == ["wandb"]
+    assert down.closed is True and ok.closed is False  # the failed one's run ends as failed, at once
+
+
 def _cfg(tmp_path, **logging):
     return load_config({"logging": {"backends": ["jsonl", "tensorboard", "wandb", "mlflow"], "wandb_mode": "offline",
                                     **logging}})
