@@ -136,6 +136,10 @@ class EngineFleet:
         """Engines the pool will have once the ones starting have joined and the draining ones left."""
         return len(self.serving) + len(self.joined) + len(self.joining) + len(self.launching)
 
+    def can_receive(self) -> bool:
+        """Some engine would be in the transport group at a sync now (a member, or started to join)."""
+        return bool(self.serving or self.joined or self.draining or self.joining)
+
     def all_replacing(self) -> bool:
         """Every member died and only replacements are coming: they join at once, not at the next step."""
         return bool(self.joining) and not self.serving and not self.joined

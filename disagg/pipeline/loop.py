@@ -119,7 +119,7 @@ class Pipeline:
                     self._admit(limit)
                 self._train_or_checkpoint(state, limit)
                 self._live_stats(state)  # this iteration's wave and batch in one update (a batch trains at once)
-                self.sync.start_queued(self.version)  # a finished step's weights go out
+                self.sync.start_queued(self.version)  # a finished step's weights go out (or a failed sync's again)
                 ready = self._wait(paused, limit)
                 for ref in ready:
                     self._handle(ref)
@@ -347,8 +347,7 @@ class Pipeline:
     # ---- what the coordinator and the metrics show ---------------------------------------------
     def _live_stats(self, state, **extra) -> None:
         """The run's live figures for ``disagg ctl status``."""
-        syncing = self.sync.record if self.sync.pending is not None else None
-        training = [r for r in (self.training, self.sync.queued, syncing) if r is not None]
+        training = [r for r in (self.training, self.sync.queued, self.sync.syncing) if r is not None]
         state.set_run_stats(buffer_groups=len(self.sched.ready), training_groups=sum(len(r.groups) for r in training),
                             inflight_groups=self.gen.inflight() + self.rewards.inflight(), **extra)
 

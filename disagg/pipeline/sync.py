@@ -7,10 +7,12 @@ and staleness >= 1 a step's push sends a snapshot the trainer took (``snapshots`
 trains the next step while its previous version is still going out.
 
 A failed sync is decided in ``finish``: a dead receiver is taken out like any dead engine; if the
-trainer's side failed, the version is sent again on a rebuilt group (the trainer's weights have not
-changed: it is not free until its push succeeded); if the trainer sent everything, receivers whose
-receive failed anyway hold partial weights: they are killed and replaced, and the version counts as
-synced to the rest. More than ``transport.max_sync_retries`` failures in a row end the run.
+trainer's side failed, the version is sent again on a rebuilt group (``retry``; the trainer's
+weights have not changed: it is not free until its push succeeded); if the trainer sent everything,
+receivers whose receive failed anyway hold partial weights: they are killed and replaced, and the
+version counts as synced to the rest. More than ``transport.max_sync_retries`` failures in a row end
+the run. No sync starts while no engine can receive it (every one died and the replacements are
+still starting): it waits, and brings the replacements in when they have started.
 """
 
 from __future__ import annotations
@@ -30,13 +32,21 @@ class SyncController:
         self.queued: StepRecord | None = None  # a trained step waiting for the previous sync to finish
         self.pending = None  # Job.PendingSync in flight
         self.record: StepRecord | None = None  # the step whose weights ``pending`` carries (None: joins only)
+        self.retry: tuple[int, int, StepRecord | None] | None = None  # (version, step, record) to send again
         self.snapshots: list[int] = []  # versions the trainer keeps a copy of (overlap_push), oldest first
         self.rebuild = False  # a sync failed: the next one rebuilds the transport group first
         self.failed = 0  # failed syncs in a row
 
     @property
     def idle(self) -> bool:
-        return self.pending is None and self.queued is None
+        return self.pending is None and self.queued is None and self.retry is None
+
+    @property
+    def syncing(self) -> StepRecord | None:
+        """The step whose weights are going out (or are to be sent again)."""
+        if self.pending is not None:
+            return self.record
+        return self.retry[2] if self.retry is not None else None
 
     def refs(self) -> list:
         return self.pending.refs if self.pending is not None else []
@@ -51,9 +61,12 @@ class SyncController:
     def blocks_trainer(self, version: int) -> bool:
         """The trainer (on ``version``) may not train: a step waits for its sync, unless it pushes a
         snapshot and nothing else is syncing; or the push in flight has not left the trainer yet."""
-        if self.queued is not None and not (self.pending is None and version in self.snapshots):
+        in_flight = self.pending is not None or self.retry is not None
+        if self.queued is not None and not (not in_flight and version in self.snapshots):
             return True
-        return self.pending is not None and not (self.pending.from_snapshot or self.pushed())
+        if self.pending is not None:
+            return not (self.pending.from_snapshot or self.pushed())
+        return self.retry is not None and self.retry[0] not in self.snapshots
 
     def pushed(self) -> bool:
         """The trainer's side of the pending sync finished without error (its weights may change again)."""
@@ -73,7 +86,14 @@ class SyncController:
         self.queued = record
 
     def start_queued(self, version: int) -> None:
-        if self.queued is not None and self.pending is None:
+        """Send again the version that failed, else the queued step's ``version``; neither while a sync
+        is in flight or no engine could receive it."""
+        if self.pending is not None or not self.fleet.can_receive():
+            return
+        if self.retry is not None:
+            (v, step, record), self.retry = self.retry, None
+            self.pending, self.record = self._start(v, step), record
+        elif self.queued is not None:
             self.pending, self.record = self._start(version, self.queued.step), self.queued
             self.queued = None
 
@@ -90,12 +110,13 @@ class SyncController:
         return self.pending is not None and all(r in ready or is_done(r) for r in self.pending.refs)
 
     def finish(self, step: int):
-        """The pending sync ended: (its SyncStats, its step's record), or None when it failed and was
-        started again (on a rebuilt group, for step ``step`` if it carried none)."""
+        """The pending sync ended: (its SyncStats, its step's record), or None when it failed and is to
+        be sent again (``start_queued``, on a rebuilt group; for step ``step`` if it carried none)."""
         pending = self.pending
         sync = self._finish(pending)
         if sync is None:  # failed before the trainer's side was through: again, on a rebuilt group
-            self.pending = self._start(pending.policy_version, self.record.step if self.record else step)
+            self.retry = (pending.policy_version, self.record.step if self.record else step, self.record)
+            self.pending, self.record = None, None
             return None
         record, self.pending, self.record = self.record, None, None
         return sync, record

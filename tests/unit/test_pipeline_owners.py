@@ -261,6 +261,31 @@ def test_a_snapshot_lets_the_trainer_take_its_next_batch_before_its_sync_starts(
     assert sync.blocks_trainer(3)  # version 3 has no copy and a sync is running: wait
 
 
+def test_a_sync_to_send_again_waits_while_no_engine_can_receive_it_and_brings_the_replacement_in() -> None:
+    sync, job = _sync(overlap_push=False)
+    fleet = sync.fleet
+    fleet.more_steps = True
+    fleet.died_now(0, "exited in the middle of the sync of version 3")  # the only engine
+    assert not fleet.can_receive() and [eid for eid, _, _ in fleet.launching.values()] == [1]
+    record = StepRecord(2, 2, [], 0.0)
+    sync.retry = (3, 2, record)  # what finish() leaves when the trainer's side of version 3 failed
+    sync.trained(StepRecord(3, 3, [], 0.0))
+    assert not sync.idle and sync.blocks_trainer(4) and sync.syncing is record
+    sync.start_queued(4)
+    assert job.started == [] and job.changes == []  # no sync into an empty group
+    ref = next(iter(fleet.launching))
+    fleet.launching.pop(ref)
+    fleet.joining[1] = "engine 1"  # the replacement started on dummy weights
+    sync.start_queued(4)
+    assert job.changes == [[1]] and job.started == [(3, 2, False)]  # version 3 again, with the replacement
+    assert sync.record is record and sync.retry is None and sync.queued.step == 3 and fleet.joined == [1]
+    stats, done = sync.finish(step=3)
+    assert done is record and stats.policy_version == 3
+    fleet.synced(3)
+    sync.start_queued(4)  # then the step trained meanwhile
+    assert fleet.serving == [1] and job.started[-1] == (4, 3, False)
+
+
 def test_replacements_join_in_a_sync_of_no_step() -> None:
     sync, job = _sync(overlap_push=False)
     sync.join_replacements(version=3, step=2)
