@@ -1,0 +1,74 @@
+"""The only engine dies in the middle of a weight sync: the flow and its checks, shared by the gloo
+test on CPU (tests/integration/test_sole_engine_death.py) and the NCCL one on GPUs
+(tests/gpu/test_nccl_recovery.py)."""
+
+from __future__ import annotations
+
+import time
+
+
+def sole_engine_dies_mid_sync(cfg, run_dir, stop_after_s: float = 900.0) -> dict:
+    """Run ``cfg`` (one engine, staleness >= 1); at step 2 the engine's process exits after two
+    buckets of the next sync's broadcast; stop once the replacement served and trained groups."""
+    import ray
+    from transformers import AutoTokenizer
+
+    from disagg.control.client import CoordinatorClient
+    from disagg.job import Job
+    from disagg.model.warmstart import prepare_model
+    from disagg.train import make_pipeline
+
+    model_path = prepare_model(cfg)
+    job = Job.start(cfg, run_dir, model_path)
+    client = CoordinatorClient(job.coordinator.address, timeout_s=30, token=job.token)
+    armed: dict = {}
+
+    def on_step(step: int, rec: dict) -> None:
+        if pipeline.stopped is not None or "stop" in armed:
+            return  # the steps in progress when the stop came still finish
+        if not armed and step == 2:
+            armed.update(step=step, t=time.time())
+            ray.get(job.rollout.handle(0).arm_fault.remote("receive_bucket", "exit", 2))
+        elif armed and 1 in pipeline.serving and pipeline.trained_by_engine[1] >= 2:
+            armed["stop"] = step
+            client.stop("test done")
+        elif time.time() - t0 > stop_after_s:
+            armed["stop"] = step
+            client.stop("test timed out")
+
+    try:
+        tok = AutoTokenizer.from_pretrained(model_path)
+        job.sync_weights(1, trainer_step=0)
+        pipeline = make_pipeline(cfg, job, tok, on_step=on_step)
+        t0 = time.time()
+        records = pipeline.run(cfg.trainer.total_steps)
+        return {"pipeline": pipeline, "records": records, "armed": armed, "final": client.status()}
+    finally:
+        client.close()
+        job.shutdown()
+
+
+def check_recovered(out: dict, timeout_s: float) -> None:
+    """What must hold after the sole engine died mid-sync (shared with the GPU test)."""
+    records, pipeline, final = out["records"], out["pipeline"], out["final"]
+    assert pipeline.stopped == "test done", (pipeline.stopped, out["armed"])
+    last = records[-1]
+    assert last["rollout/engine_deaths"] == 1 and last["rollout/engines_replaced"] == 1
+    # One sync failed, the one the engine died in; it was not sent into a group with nobody in it
+    # (that would count as a second failure) but waited for the replacement.
+    assert last["transport/sync_failures"] == 1 and last["transport/sync_retries"] == 1
+    assert last["rollout/num_engines"] == 1
+    # The failure surfaced as a TransportError within the transport timeout: no hang.
+    failed = [e for e in final.events if e.kind == "sync_failed"]
+    assert failed, [e.kind for e in final.events]
+    assert failed[0].unix_s - out["armed"]["t"] <= timeout_s + 60, (failed[0].unix_s - out["armed"]["t"])
+    # The replacement joined the rebuilt group with the version that failed and trained from then
+    # on; nothing was lost or skipped.
+    failed_version = int(failed[0].message.split(":")[0].removeprefix("version "))
+    assert pipeline.join_version[1] == failed_version
+    assert pipeline.first_trained_version[1] >= pipeline.join_version[1]
+    versions = [r["policy_version"] for r in records]
+    assert versions == list(range(versions[0], versions[0] + len(versions)))
+    assert all(r["rollout/prompts_lost"] == 0 and r["rollout/dummy_served"] == 0 for r in records)
+    assert all(r["samples/trained_beyond_staleness"] == 0 for r in records)
+    assert pipeline.prompts_lost() == 0
