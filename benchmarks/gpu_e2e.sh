@@ -3,6 +3,8 @@
 #
 #   bash benchmarks/gpu_e2e.sh tests            # tests/gpu (pytest -m gpu), log in $OUT/gpu_tests.log
 #   bash benchmarks/gpu_e2e.sh train NAME ARGS  # `disagg train ARGS`; metrics, log and plot in $OUT/NAME.*
+#   bash benchmarks/gpu_e2e.sh metrics ARGS     # a short `disagg train ARGS` scraped while it runs: the
+#                                               # coordinator's and the engines' /metrics (issue 22)
 #   bash benchmarks/gpu_e2e.sh queue FILE       # each line `NAME ARGS` run as `train`, one after another,
 #                                               # detached (setsid), so the runs outlast the 10-minute call
 #   bash benchmarks/gpu_e2e.sh poll SECONDS     # wait for the queue (at most SECONDS), copy the files of
@@ -48,6 +50,18 @@ case "$stage" in
     for f in metrics.jsonl reward.png config.json; do
       [ -f "/tmp/runs/$name/$f" ] && cp "/tmp/runs/$name/$f" "$out/$name.$f"
     done
+    exit "$rc" ;;
+  metrics)
+    # a short run of the default task on the GPU, scraped while it runs (benchmarks/gpu_metrics_check.py)
+    rm -rf /tmp/runs/metrics
+    timeout "${TRAIN_LIMIT_S:-540}" python3 -m disagg train logging.root_dir=/tmp/runs hydra.run.dir=/tmp/runs/metrics \
+      trainer.total_steps=200 "${@:2}" >"$out/metrics_train.log" 2>&1 &
+    train=$!
+    python3 benchmarks/gpu_metrics_check.py /tmp/runs/metrics "$out/metrics_check.json"
+    rc=$?
+    python3 -m disagg ctl stop --run-dir /tmp/runs/metrics >/dev/null 2>&1
+    wait $train
+    grep -v "nanobind\|leaked \|skipped remainder" "$out/metrics_train.log" | tail -n 5
     exit "$rc" ;;
   queue)
     q=/tmp/gpu_queue
