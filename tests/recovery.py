@@ -7,16 +7,25 @@ from __future__ import annotations
 import time
 
 
+def first_sync_and_pipeline(cfg, job, model_path, on_step):
+    """Sync the initial weights as version 1 and make the pipeline of ``cfg`` on ``job``, whose steps
+    call ``on_step`` (the fault-injection runs steer the job from it)."""
+    from transformers import AutoTokenizer
+
+    from disagg.train import make_pipeline
+
+    job.sync_weights(1, trainer_step=0)
+    return make_pipeline(cfg, job, AutoTokenizer.from_pretrained(model_path), on_step=on_step)
+
+
 def sole_engine_dies_mid_sync(cfg, run_dir, stop_after_s: float = 900.0) -> dict:
     """Run ``cfg`` (one engine, staleness >= 1); at step 2 the engine's process exits after two
     buckets of the next sync's broadcast; stop once the replacement served and trained groups."""
     import ray
-    from transformers import AutoTokenizer
 
     from disagg.control.client import CoordinatorClient
     from disagg.job import Job
     from disagg.model.warmstart import prepare_model
-    from disagg.train import make_pipeline
 
     model_path = prepare_model(cfg)
     job = Job.start(cfg, run_dir, model_path)
@@ -37,9 +46,7 @@ def sole_engine_dies_mid_sync(cfg, run_dir, stop_after_s: float = 900.0) -> dict
             client.stop("test timed out")
 
     try:
-        tok = AutoTokenizer.from_pretrained(model_path)
-        job.sync_weights(1, trainer_step=0)
-        pipeline = make_pipeline(cfg, job, tok, on_step=on_step)
+        pipeline = first_sync_and_pipeline(cfg, job, model_path, on_step)
         t0 = time.time()
         records = pipeline.run(cfg.trainer.total_steps)
         return {"pipeline": pipeline, "records": records, "armed": armed, "final": client.status()}

@@ -28,6 +28,7 @@ import pytest
 
 from disagg import faults
 from tests.conftest import SMALL_CLI, disagg_process, small_config
+from tests.recovery import first_sync_and_pipeline
 
 HEALTH_TIMEOUT_S = 10.0
 
@@ -35,12 +36,10 @@ HEALTH_TIMEOUT_S = 10.0
 @pytest.fixture(scope="module")
 def faulty_run(ray_session, model_cache, tmp_path_factory):
     import ray
-    from transformers import AutoTokenizer
 
     from disagg.control.client import CoordinatorClient
     from disagg.job import Job
     from disagg.model.warmstart import prepare_model
-    from disagg.train import make_pipeline
 
     cfg = small_config(model_cache, trainer={"total_steps": 20_000}, algorithm={"max_staleness": 1},
                        reward={"num_workers": 1}, rollout={"num_engines": 2, "health_interval_s": 1.0,
@@ -81,9 +80,7 @@ def faulty_run(ray_session, model_cache, tmp_path_factory):
             client.stop("test timed out")
 
     try:
-        tok = AutoTokenizer.from_pretrained(model_path)
-        job.sync_weights(1, trainer_step=0)
-        pipeline = make_pipeline(cfg, job, tok, on_step=on_step)
+        pipeline = first_sync_and_pipeline(cfg, job, model_path, on_step)
         t_start = time.perf_counter()
         records = pipeline.run(cfg.trainer.total_steps)
         yield {"job": job, "pipeline": pipeline, "records": records, "faults": faults, "status": status,
