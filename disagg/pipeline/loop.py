@@ -220,13 +220,13 @@ class Pipeline:
         # the driver would spin (stealing a core) until their siblings finish.
         busy = [r for r in (self.train_refs or []) + self.sync.refs() if r not in self._seen_done]
         waitables = [*self.gen.calls, *self.rewards.calls, *self.fleet.launching, *busy]
+        if not waitables and not self.fleet.active():  # a sync waiting for an engine would wait forever
+            raise RolloutError(f"every rollout engine died ({sorted(self.fleet.died)}) and none is being replaced "
+                               f"(rollout.replace_dead_engines={self.cfg.rollout.replace_dead_engines})")
         if not waitables and (paused or self.step >= self.last_step):  # paused by the operator: wait for resume
             time.sleep(0.2)
             self._t_event = time.perf_counter()
             return []
-        if not waitables and not self.fleet.active():
-            raise RolloutError(f"every rollout engine died ({sorted(self.fleet.died)}) and none is being replaced "
-                               f"(rollout.replace_dead_engines={self.cfg.rollout.replace_dead_engines})")
         if not waitables:  # admission always lets an idle, synced pipeline submit: a bug if reached
             raise RolloutError(f"pipeline stalled with nothing running: {len(self.sched.ready)} groups ready "
                                f"of {self.sched.batch_groups}, staleness limit {limit}, trainer version "

@@ -347,3 +347,19 @@ def test_generation_sends_requeued_groups_first_and_one_call_per_engine() -> Non
     gen.submit(fleet, engine_version=2, new=1)
     assert calls[-1][0] == 1 and calls[-1][1][:2] == ["g0-again0", "g2-again1"] and calls[-1][1][2] == "g3"
     assert sched.inflight[0].engine == 1 and sched.inflight[0].submitted_version == 2 and not gen.again
+
+
+def test_the_loop_ends_with_an_error_when_no_engine_is_left_for_a_sync_that_waits_for_one() -> None:
+    from disagg.errors import RolloutError
+    from disagg.pipeline.loop import Pipeline
+
+    sync, _ = _sync(overlap_push=False)
+    fleet = sync.fleet
+    fleet.cfg.rollout.replace_dead_engines = False
+    fleet.died_now(0, "exited mid-sync")  # the only engine; no replacement
+    sync.retry = (3, 2, StepRecord(2, 2, [], 0.0))
+    loop = SimpleNamespace(train_refs=None, sync=sync, _seen_done=set(), gen=SimpleNamespace(calls={}),
+                           rewards=SimpleNamespace(calls={}), fleet=fleet, cfg=fleet.cfg, step=2, last_step=2)
+    # The last step is done but its weights still wait for an engine: not an idle wait for a resume.
+    with pytest.raises(RolloutError, match=r"every rollout engine died \(\[0\]\)"):
+        Pipeline._wait(loop, paused=False, limit=1)
