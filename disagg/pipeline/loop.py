@@ -234,7 +234,7 @@ class Pipeline:
         done, _ = ray.wait(waitables, num_returns=1, timeout=1.0)
         if not done:
             quiet, stall_limit = time.perf_counter() - self._t_event, self.cfg.cluster.actor_timeout_s
-            what = (f"{self.gen.inflight()} groups generating, {sum(map(len, self.rewards.calls.values()))} scoring",
+            what = (f"{self.gen.inflight()} groups generating, {self.rewards.scoring()} scoring",
                     "running" if self.train_refs else "idle", "running" if self.sync.pending else "idle")
             if quiet >= self._next_log:
                 log.info("waiting %.0f s: %s, %d ready of %d, train step %s, sync %s", quiet, what[0],

@@ -80,9 +80,13 @@ class RewardDispatch:
             ray.kill(w)
         self.workers = []
 
+    def scoring(self) -> int:
+        """Groups in a worker's call."""
+        return sum(len(g) for g in self.calls.values())
+
     def inflight(self) -> int:
         """Groups finished generating and not scored yet."""
-        return sum(len(g) for g in self.calls.values()) + len(self.held)
+        return self.scoring() + len(self.held)
 
     def finished(self, gid: int, texts: list[str], row: dict[str, Any]) -> None:
         """A group finished generating: it waits for the next ``flush``."""

@@ -62,7 +62,7 @@ class SyncController:
         """The trainer (on ``version``) may not train: a step waits for its sync, unless it pushes a
         snapshot and nothing else is syncing; or the push in flight has not left the trainer yet."""
         in_flight = self.pending is not None or self.retry is not None
-        if self.queued is not None and not (not in_flight and version in self.snapshots):
+        if self.queued is not None and (in_flight or version not in self.snapshots):
             return True
         if self.pending is not None:
             return not (self.pending.from_snapshot or self.pushed())
