@@ -3,9 +3,11 @@
 #
 #   bash benchmarks/gpu_e2e.sh tests            # tests/gpu (pytest -m gpu), log in $OUT/gpu_tests.log
 #   bash benchmarks/gpu_e2e.sh train NAME ARGS  # `disagg train ARGS`; metrics, log and plot in $OUT/NAME.*
+#   bash benchmarks/gpu_e2e.sh bench NAME ARGS  # `disagg bench ARGS --json $OUT/NAME.json`; log in $OUT/NAME.log
 #   bash benchmarks/gpu_e2e.sh metrics ARGS     # a short `disagg train ARGS` scraped while it runs: the
 #                                               # coordinator's and the engines' /metrics (issue 22)
-#   bash benchmarks/gpu_e2e.sh queue FILE       # each line `NAME ARGS` run as `train`, one after another,
+#   bash benchmarks/gpu_e2e.sh queue FILE       # each line `NAME ARGS` run as `train` (`NAME bench ARGS`:
+#                                               # as `bench`), one after another,
 #                                               # detached (setsid), so the runs outlast the 10-minute call
 #   bash benchmarks/gpu_e2e.sh poll SECONDS     # wait for the queue (at most SECONDS), copy the files of
 #                                               # finished runs to $OUT; call it again at once to keep the
@@ -51,6 +53,12 @@ case "$stage" in
       [ -f "/tmp/runs/$name/$f" ] && cp "/tmp/runs/$name/$f" "$out/$name.$f"
     done
     exit "$rc" ;;
+  bench)
+    name=${2:?bench needs a NAME}
+    shift 2
+    timeout "${TRAIN_LIMIT_S:-540}" python3 -m disagg bench "$@" --json "$out/$name.json" 2>&1 \
+      | grep -v "nanobind\|leaked \|skipped remainder" | tee "$out/$name.log"
+    exit "${PIPESTATUS[0]}" ;;
   metrics)
     # a short run of the default task on the GPU, scraped while it runs (benchmarks/gpu_metrics_check.py)
     rm -rf /tmp/runs/metrics
@@ -71,7 +79,8 @@ case "$stage" in
     # the runs use a snapshot of this tree: a later call brings the working tree as it is then
     tar --exclude=./.device --exclude=./.git -cf - . | tar -xf - -C "$q/repo"
     (cd "$q/repo" && setsid nohup bash -c "while read -r name args; do [ -n \"\$name\" ] || continue; \
-      OUT=$q/out bash benchmarks/gpu_e2e.sh train \$name \$args >/dev/null 2>&1; \
+      stage=train; case \"\$args\" in bench\ *) stage=bench; args=\${args#bench }; esac; \
+      OUT=$q/out TRAIN_LIMIT_S=\${QUEUE_LIMIT_S:-3000} bash benchmarks/gpu_e2e.sh \$stage \$name \$args >/dev/null 2>&1; \
       echo \"\$name rc=\$?\" >>$q/done.txt; done <$q/runs.txt; echo all >>$q/done.txt" \
       >"$q/queue.log" 2>&1 </dev/null &)
     echo "queued $(grep -c . "$q/runs.txt") runs" ;;
@@ -82,8 +91,9 @@ case "$stage" in
     cat "$q/done.txt"
     for f in "$q"/out/*.log; do [ -f "$f" ] && { echo "== $f"; tail -n 3 "$f"; }; done
     n=0   # at most 8 files come back from a call: metrics first, then logs and plots
-    for f in $(ls "$q"/out/*.metrics.jsonl "$q"/out/*.log "$q"/out/*.reward.png 2>/dev/null); do
+    for f in $(ls "$q"/out/*.json "$q"/out/*.metrics.jsonl "$q"/out/*.log "$q"/out/*.reward.png 2>/dev/null); do
       name=$(basename "$f"); name=${name%.metrics.jsonl}; name=${name%.log}; name=${name%.reward.png}
+      name=${name%.json}
       grep -q "^$name rc=" "$q/done.txt" || continue
       [ -e "$q/sent.$(basename "$f")" ] && continue
       [ $n -lt 8 ] || break

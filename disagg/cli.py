@@ -19,7 +19,8 @@ commands:
   generate [key=value ...] standalone engines on real weights (model.path) + the reward: debug an engine or a reward
   ctl <subcommand> ...    talk to a running job's coordinator (disagg ctl status --address HOST:PORT)
   bench transport [flags] weight-sync benchmark against raw, per-parameter and object-store baselines
-  bench pipeline [flags]  stream vs batch, reward overlap, async vs sync (CPU, vLLM)
+  bench pipeline [flags]  stream vs batch, reward overlap, async vs sync (CPU or --device cuda)
+  bench vllm-sync [flags] a sync into a real vLLM engine phase by phase vs a raw broadcast, per load mode
   bench soak [flags]      30 min of training with a pause/resume and an engine kill: RSS, nothing lost
 """
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from disagg.cluster import Pools, connect, create_pools
@@ -31,6 +31,7 @@ class SyncStats:
     seconds: float  # announce + broadcast + every engine's load and acknowledgement, seen by the driver
     send_s: float  # the slowest sending trainer rank's own time on the wire (packing included)
     num_buckets: int
+    engine_phases: dict[str, float] = field(default_factory=dict)  # each phase's seconds, the slowest engine's
 
     @property
     def gb_per_s(self) -> float:
@@ -196,12 +197,19 @@ class Job:
         committed = self.coordinator.state.committed_version()
         if committed != policy_version:
             raise TransportError(f"after sync of version {policy_version} the committed version is {committed}")
-        return self.sync_stats(pending, outs[: len(self.trainer.workers)])
+        n = len(self.trainer.workers)
+        return self.sync_stats(pending, outs[:n], outs[n:])
 
-    def sync_stats(self, pending: "PendingSync", sent: list[dict]) -> SyncStats:
-        """A finished sync's figures from what the trainer ranks' pushes returned."""
+    def sync_stats(self, pending: "PendingSync", sent: list[dict], received: list = ()) -> SyncStats:
+        """A finished sync's figures from what the trainer ranks' pushes returned and the engines'
+        ``SyncReport``s (each phase: the slowest engine's seconds)."""
+        phases: dict[str, float] = {}
+        for report in received:
+            for k, v in getattr(report, "phases", {}).items():
+                phases[k] = max(phases.get(k, 0.0), v)
         return SyncStats(pending.policy_version, sum(int(o["bytes"]) for o in sent), time.perf_counter() - pending.t0,
-                         max(float(o.get("send_s", 0.0)) for o in sent), sum(int(o["num_buckets"]) for o in sent))
+                         max(float(o.get("send_s", 0.0)) for o in sent), sum(int(o["num_buckets"]) for o in sent),
+                         phases)
 
     def _sync_failures(self, refs: list, names: list[str], first: Exception) -> str:
         """What each party of a failed sync reported (its peers fail within the transport timeout)."""

@@ -4,6 +4,8 @@
 parameter and Ray's object store (``disagg/bench/transport.py``).
 ``pipeline``: stream vs batch scheduling on a long tail, rewards overlapped with
 generation vs after it, asynchronous vs synchronous training (``disagg/bench/pipeline.py``).
+``vllm-sync``: a sync into a real vLLM engine phase by phase, against a raw broadcast
+over the same group, per ``transport.load`` mode (``disagg/bench/vllm_sync.py``).
 ``soak``: a long ``disagg train`` with a pause/resume and an engine kill, RSS over
 time and the fault counts (``disagg/bench/soak.py``; not in CI).
 """
@@ -13,7 +15,8 @@ from __future__ import annotations
 import sys
 
 BENCHMARKS = {"transport": "weight sync vs raw broadcast, per-parameter broadcast and Ray's object store",
-              "pipeline": "stream vs batch on a long tail, reward overlap, async vs sync (CPU, vLLM)",
+              "pipeline": "stream vs batch on a long tail, reward overlap, async vs sync (CPU or --device cuda)",
+              "vllm-sync": "a sync into a real vLLM engine, phase by phase, vs a raw broadcast over the same group",
               "soak": "a long `disagg train` with a pause/resume and an engine kill: RSS over time, nothing lost"}
 
 
@@ -28,6 +31,10 @@ def main(argv: list[str]) -> int:
         from disagg.bench.soak import main as soak_main
 
         return soak_main(argv[1:])
+    if argv[0] == "vllm-sync":
+        from disagg.bench.vllm_sync import main as vllm_sync_main
+
+        return vllm_sync_main(argv[1:])
     if argv[0] == "pipeline":
         from disagg.bench.pipeline import main as pipeline_main
 

@@ -1,7 +1,12 @@
 """``disagg bench pipeline``: what the asynchronous pipeline buys, measured side by side in one run.
 
-Three comparisons on the embedded tiny model with real Ray, vLLM engines and
-trainer (CPU is fine):
+Three comparisons with real Ray, vLLM engines and trainer. On CPU (the default)
+on the embedded tiny model; with ``--device cuda`` on the embedded model at
+Qwen2.5-0.5B's shape (``shape=qwen2.5-0.5b``) with realistic lengths
+(``GPU_DEFAULTS``) on ``cluster=gpu`` (a GPU for the trainer and one for the
+engine) or, with one GPU visible, ``cluster=one_gpu`` (both share it). Trailing
+``key=value`` arguments compose ``configs/train.yaml`` with them, as
+``disagg train`` does, under the bench's own settings:
 
   long tail      response lengths drawn from a heavy-tailed distribution (most
                  short, a few near the cap; ``ignore_eos`` makes each length
@@ -16,7 +21,8 @@ trainer (CPU is fine):
                  divided by the longer stage. Response lengths vary and the engine's
                  concurrency is bounded, so groups finish over the whole rollout.
   async vs sync  samples per second of ``max_staleness=1`` vs ``0`` on the default
-                 task from the same initial weights, after the first
+                 task from the same initial weights (``--async-max-tokens``: every
+                 response that long), after the first
                  ``--async-warmup-steps`` (the engine's and the trainer's first
                  step cost seconds of one-off warm-up in both runs; the ratio with
                  them is reported too), and the step (and seconds) at which each
@@ -47,6 +53,7 @@ log = logging.getLogger("disagg.bench")
 
 @dataclasses.dataclass(frozen=True)
 class PipelineBenchOptions:
+    device: str = "cpu"  # cpu | cuda | auto (cuda where this process sees a GPU)
     tail_steps: int = 64  # train steps per scheduler in the long-tail comparison
     tail_warmup_steps: int = 2  # batch steps run first and not measured (the engine's one-off warm-up)
     tail_short: int = 4  # most responses: this many tokens
@@ -54,29 +61,88 @@ class PipelineBenchOptions:
     tail_fraction: float = 0.1  # share of prompts whose responses are long
     tail_staleness: int = 16  # the staleness limit of the stream run (batch: 0, the synchronous pattern)
     tail_inflight: int = 16  # rollout.max_inflight_groups of the stream scheduler
+    tail_prompts: int = 8  # prompts per step there (groups of 4)
     overlap_steps: int = 10  # steps per variant in the reward-overlap comparison
     overlap_max_seqs: int = 32  # engine concurrency there: a step's groups finish in waves
+    overlap_prompts: int = 16  # prompts per step there (groups of 8)
+    overlap_min_tokens: int = 4  # response lengths there: uniform in [min, max]
+    overlap_max_tokens: int = 24
     reward_workers: int = 4  # reward.num_workers there
     async_steps: int = 120  # steps per run in the async-vs-sync comparison
     async_warmup_steps: int = 5  # first steps left out of the throughput (engine and trainer warm-up, both runs)
+    async_max_tokens: int = 0  # > 0: every response exactly this long (ignore_eos); 0: the task's lengths
+    async_prompts: int = 0  # prompts per step there; 0: the config's algorithm.prompts_per_step
     threshold: float = 0.75  # reward (10-step moving mean) both runs must reach
     cpus: int | None = None  # Ray CPUs (default: the machine's)
     pin_pools: bool = True  # engines on the first half of the cores, the trainer on the rest (both sides alike)
     run_dir: str = "runs/bench-pipeline"
     log_level: str = "WARNING"
+    overrides: tuple[str, ...] = ()  # `disagg train` overrides (key=value) composed under the bench's settings
+
+
+GPU_DEFAULTS: dict[str, Any] = {
+    # Qwen2.5-0.5B's shape with lengths a post-training run sees; sized so that the whole bench
+    # takes ~20 minutes on one H200. Flags given on the command line win.
+    "tail_steps": 12, "tail_warmup_steps": 1, "tail_short": 128, "tail_long": 2048, "tail_fraction": 0.1,
+    "tail_staleness": 8, "tail_inflight": 64, "tail_prompts": 32,
+    "overlap_steps": 6, "overlap_max_seqs": 64, "overlap_prompts": 32, "overlap_min_tokens": 64,
+    "overlap_max_tokens": 512,
+    "async_steps": 12, "async_warmup_steps": 2, "async_max_tokens": 512, "async_prompts": 64,
+    "pin_pools": False,
+}
+"""``--device cuda``: the defaults that differ from the CPU ones."""
+
+
+def resolve_options(given: dict[str, Any], gpus: int) -> PipelineBenchOptions:
+    """The bench's options: ``given`` (what the command line set; absent keys take the defaults) on
+    ``device`` with ``gpus`` GPUs visible. On cuda, GPU_DEFAULTS replace the CPU defaults and, unless
+    the overrides pick them, ``shape=qwen2.5-0.5b`` and ``cluster=gpu`` (2+ GPUs) or ``one_gpu``. Pure."""
+    device = given.get("device", "cpu")
+    if device == "auto":
+        device = "cuda" if gpus else "cpu"
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"--device must be cpu, cuda or auto, got {device!r}")
+    if device == "cuda" and not gpus:
+        raise ValueError("--device cuda: this process sees no GPU")
+    values = {**(GPU_DEFAULTS if device == "cuda" else {}), **given, "device": device}
+    overrides = list(values.get("overrides", ()))
+    if device == "cuda":
+        keys = {o.lstrip("+~").split("=", 1)[0] for o in overrides}
+        if "shape" not in keys:
+            overrides.insert(0, "shape=qwen2.5-0.5b")
+        if "cluster" not in keys:
+            overrides.insert(0, "cluster=gpu" if gpus >= 2 else "cluster=one_gpu")
+    values["overrides"] = tuple(overrides)
+    return PipelineBenchOptions(**values)
+
+
+def _composed(overrides: tuple[str, ...]) -> dict[str, Any]:
+    """``configs/train.yaml`` composed with ``overrides``, as ``disagg train`` composes it."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from disagg.cli import CONFIG_DIR
+
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        dc = compose(config_name="train", overrides=list(overrides))
+    data = OmegaConf.to_container(dc, resolve=False)
+    data.pop("hydra", None)
+    return data
 
 
 def _base_config(o: PipelineBenchOptions, **overrides: dict):
     from disagg.config import load_config
 
-    data: dict[str, Any] = {"logging": {"progress": False, "backends": ["jsonl"], "plot": False},
-                            "cluster": {"num_cpus": o.cpus}}
+    data: dict[str, Any] = _composed(o.overrides) if o.overrides else {}
+    settings: dict[str, dict] = {"logging": {"progress": False, "backends": ["jsonl"], "plot": False},
+                                 "cluster": {"num_cpus": o.cpus, "device": o.device}}
     rollout_cores, trainer_cores = pool_cores(o.pin_pools)
     if rollout_cores:
-        data["rollout"] = {"cpu_affinity": rollout_cores}
-        data["trainer"] = {"cpu_affinity": trainer_cores}
-    for k, v in overrides.items():
-        data.setdefault(k, {}).update(v)
+        settings["rollout"] = {"cpu_affinity": rollout_cores}
+        settings["trainer"] = {"cpu_affinity": trainer_cores}
+    for section in (settings, overrides):
+        for k, v in section.items():
+            data.setdefault(k, {}).update(v)
     return load_config(data)
 
 
@@ -122,7 +188,7 @@ def _run(cfg, job, tok, steps: int, first: int, **kw) -> tuple[Any, float]:
 def long_tail(o: PipelineBenchOptions, run_dir: Path) -> dict[str, Any]:
     """Trained tokens per second, stream vs batch, on heavy-tailed response lengths."""
     cfg = _base_config(o, rollout={"max_model_len": o.tail_long + 16, "max_inflight_groups": o.tail_inflight},
-                       algorithm={"max_staleness": o.tail_staleness, "prompts_per_step": 8, "group_size": 4},
+                       algorithm={"max_staleness": o.tail_staleness, "prompts_per_step": o.tail_prompts, "group_size": 4},
                        reward={"num_workers": 1})
     job, tok = _start(cfg, run_dir / "tail")
     version, out = 1, {}
@@ -179,16 +245,17 @@ def reward_overlap(o: PipelineBenchOptions, run_dir: Path) -> dict[str, Any]:
     from disagg.rollout.types import SamplingSpec
 
     workers = o.reward_workers
-    cfg = _base_config(o, algorithm={"max_staleness": 0, "prompts_per_step": 16, "group_size": 8},
-                       rollout={"scheduler": "batch", "max_num_seqs": o.overlap_max_seqs},
+    cfg = _base_config(o, algorithm={"max_staleness": 0, "prompts_per_step": o.overlap_prompts, "group_size": 8},
+                       rollout={"scheduler": "batch", "max_num_seqs": o.overlap_max_seqs,
+                                "max_model_len": max(64, o.overlap_max_tokens + 64)},
                        reward={"num_workers": workers})
     job, tok = _start(cfg, run_dir / "overlap")
     version, out = 1, {}
 
     def lengths():  # varied lengths (the same sequence in every run): groups finish over the rollout
         rng = random.Random(1)
-        return lambda row: SamplingSpec(max_tokens=rng.randint(4, 24), temperature=1.0, n=cfg.algorithm.group_size,
-                                        ignore_eos=True)
+        return lambda row: SamplingSpec(max_tokens=rng.randint(o.overlap_min_tokens, o.overlap_max_tokens),
+                                        temperature=1.0, n=cfg.algorithm.group_size, ignore_eos=True)
 
     try:
         _run(cfg, job, tok, 2, version, sampling_for=lengths())  # warm-up: first requests, actor starts
@@ -250,11 +317,24 @@ def steady_throughput(records: list[dict], warmup: int) -> tuple[float, float]:
 def async_vs_sync(o: PipelineBenchOptions, run_dir: Path) -> dict[str, Any]:
     """Samples per second and steps to the reward threshold, max_staleness 1 vs 0, same start."""
     out: dict[str, Any] = {}
+    from disagg.rollout.types import SamplingSpec
+
     for name, limit in (("sync", 0), ("async", 1)):
-        cfg = _base_config(o, algorithm={"max_staleness": limit})
+        algorithm: dict[str, Any] = {"max_staleness": limit}
+        rollout: dict[str, Any] = {}
+        if o.async_prompts:
+            algorithm["prompts_per_step"] = o.async_prompts
+            rollout["max_inflight_groups"] = o.async_prompts
+        if o.async_max_tokens:
+            rollout["max_model_len"] = o.async_max_tokens + 64
+        cfg = _base_config(o, algorithm=algorithm, rollout=rollout)
+        kw = {}
+        if o.async_max_tokens:
+            n, group = o.async_max_tokens, cfg.algorithm.group_size
+            kw["sampling_for"] = lambda row: SamplingSpec(max_tokens=n, temperature=1.0, n=group, ignore_eos=True)
         job, tok = _start(cfg, run_dir / name)
         try:
-            p, wall = _run(cfg, job, tok, o.async_steps, 1)
+            p, wall = _run(cfg, job, tok, o.async_steps, 1, **kw)
         finally:
             job.shutdown()
         step, seconds = _first_reaching(p.records, o.threshold)
@@ -279,6 +359,15 @@ def async_vs_sync(o: PipelineBenchOptions, run_dir: Path) -> dict[str, Any]:
     return out
 
 
+def _machine(device: str) -> str:
+    if device == "cuda":
+        import torch
+
+        n = torch.cuda.device_count()
+        return f"{n} x {torch.cuda.get_device_name(0)}"
+    return f"{os.cpu_count()} CPUs"
+
+
 def run(o: PipelineBenchOptions, only: set[str]) -> dict[str, Any]:
     import ray
 
@@ -287,7 +376,7 @@ def run(o: PipelineBenchOptions, only: set[str]) -> dict[str, Any]:
     rollout_cores, trainer_cores = pool_cores(o.pin_pools)
     report: dict[str, Any] = {"options": dataclasses.asdict(o), "cpus": os.cpu_count(),
                               "date": time.strftime("%Y-%m-%d"), "rollout_cores": rollout_cores,
-                              "trainer_cores": trainer_cores}
+                              "trainer_cores": trainer_cores, "machine": _machine(o.device)}
     ray.init(num_cpus=o.cpus, include_dashboard=False, ignore_reinit_error=True)
     try:
         if "tail" in only:
@@ -309,7 +398,9 @@ def render(report: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"disagg bench pipeline ({report['cpus']} CPUs, {report['date']})")
+    extra = " ".join(report["options"]["overrides"])
+    table = Table(title=f"disagg bench pipeline ({report.get('machine', str(report['cpus']) + ' CPUs')}, "
+                        f"{report['date']}{', ' + extra if extra else ''})")
     for col in ("comparison", "measured", "ratio", "target"):
         table.add_column(col, justify="left" if col in ("comparison", "measured") else "right")
     if "long_tail" in report:
@@ -349,23 +440,42 @@ def render(report: dict[str, Any]) -> None:
     Console().print(table)
 
 
+def _visible_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="disagg bench pipeline", description=__doc__.split("\n\n")[0])
     f = {x.name: x for x in dataclasses.fields(PipelineBenchOptions)}
     for name, field in f.items():
+        if name == "overrides":
+            continue
+        gpu = f" (--device cuda: {GPU_DEFAULTS[name]})" if name in GPU_DEFAULTS else ""
         if isinstance(field.default, bool):  # --pin-pools / --no-pin-pools
-            p.add_argument("--" + name.replace("_", "-"), action=argparse.BooleanOptionalAction, default=field.default)
+            p.add_argument("--" + name.replace("_", "-"), action=argparse.BooleanOptionalAction,
+                           default=argparse.SUPPRESS, help=f"default {field.default}{gpu}")
             continue
         p.add_argument("--" + name.replace("_", "-"), type=type(field.default) if field.default is not None else int,
-                       default=field.default)
+                       default=argparse.SUPPRESS, help=f"default {field.default}{gpu}")
     p.add_argument("--only", default="tail,overlap,async", help="comparisons to run, comma-separated")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the report as JSON")
+    p.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="`disagg train` overrides (e.g. cluster=gpu shape=qwen2.5-1.5b), under the bench's settings")
     a = vars(p.parse_args(argv))
     json_path, only = a.pop("json"), set(a.pop("only").split(","))
     unknown = only - {"tail", "overlap", "async"}
     if unknown:
         p.error(f"--only: unknown comparisons {sorted(unknown)} (tail, overlap, async)")
-    opts = PipelineBenchOptions(**a)
+    bad = [x for x in a.get("overrides", []) if "=" not in x]
+    if bad:
+        p.error(f"overrides must be key=value, got {bad}")
+    a["overrides"] = tuple(a.get("overrides", ()))
+    try:
+        opts = resolve_options(a, _visible_gpus() if a.get("device", "cpu") != "cpu" else 0)
+    except ValueError as e:
+        p.error(str(e))
     setup_logging("bench", opts.log_level)
     report = run(opts, only)
     render(report)

@@ -24,6 +24,9 @@ def shares_gpus(cfg: Config) -> bool:
 
 
 def resolve_backend(cfg: Config, device: str) -> str:
+    if cfg.transport.load == "direct" and device != "cuda":
+        raise ConfigError("transport.load='direct' needs cluster.device=cuda (CPU linear layers repack their "
+                          "weights: vLLM's layerwise reload must load them); use 'auto' or 'layerwise'")
     if cfg.transport.backend != "auto":
         if cfg.transport.backend == "nccl" and device != "cuda":
             raise ConfigError("transport.backend='nccl' needs cluster.device=cuda; use 'gloo' on CPU")

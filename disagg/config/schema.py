@@ -181,6 +181,11 @@ class TransportConfig:
     """Bucket buffers per side: packing/loading of one bucket overlaps the wire of the next."""
     verify: bool = False
     """Per-bucket checksums; a mismatch rejects the version (staged, costs one copy of the weights)."""
+    load: Literal["auto", "layerwise", "direct"] = "auto"
+    """How an engine loads what it receives: 'layerwise' (vLLM's layerwise reload: needed on CPU and
+    for quantised models; a second copy of the weights and per-layer set-up), 'direct' (vLLM's loaders
+    straight into the live parameters: unquantised models on GPUs); 'auto' -> direct on GPUs, else
+    layerwise."""
     max_sync_retries: int = 3
     """A weight sync that fails (a dead receiver, a transport timeout) is retried on a rebuilt group
     this many times in a row before the run ends."""

@@ -246,7 +246,8 @@ class EngineActor:
 
         info = dict(groups=groups, world_size=world_size, rank_offset=rank_offset, backend=backend,
                     timeout_s=timeout_s, source=self.transport_cfg.source,
-                    num_buffers=self.transport_cfg.num_buffers, verify=self.transport_cfg.verify)
+                    num_buffers=self.transport_cfg.num_buffers, verify=self.transport_cfg.verify,
+                    load=self.transport_cfg.load)
         await self._engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info))
 
     async def receive_weights(self, policy_version: int, manifest: dict | None = None) -> SyncReport:
@@ -260,25 +261,42 @@ class EngineActor:
         weights is reused, and the version is acknowledged.
         """
         t0 = time.perf_counter()
+        phases: dict[str, float] = {}
         self._not_loading.clear()  # before the first await: a request arriving from now on waits
         try:
-            m, recv_s = await self._load(policy_version, manifest)
+            m, recv_s = await self._load(policy_version, manifest, phases)
         finally:
             self._not_loading.set()
         self._report_state("READY")
+        t1 = time.perf_counter()
         acked = (self._control_call(self._coord.ack_version, self.engine_id, policy_version, m.layout_digest())
                  if self._coord is not None else None)
         stats = await self.get_transfer_stats()
         if acked is not None:
             await acked
+        phases["ack_s"] = time.perf_counter() - t1
+        for key in ("load_s", "reload_init_s", "finalize_s"):  # the worker's own split of update/finish
+            if key in stats:
+                phases[f"worker_{key}"] = float(stats[key])
+        if "seconds" in stats:
+            phases["worker_receive_s"] = float(stats["seconds"])
         return SyncReport(self.engine_id, policy_version, int(stats.get("bytes", 0)), int(stats.get("num_buckets", 0)),
-                          int(stats.get("num_tensors", 0)), recv_s, time.perf_counter() - t0)
+                          int(stats.get("num_tensors", 0)), recv_s, time.perf_counter() - t0, phases)
 
-    async def _load(self, policy_version: int, manifest: dict | None):
-        """``receive_weights`` behind the closed gate: (the manifest, seconds on the wire)."""
+    async def _load(self, policy_version: int, manifest: dict | None, phases: dict[str, float]):
+        """``receive_weights`` behind the closed gate: (the manifest, seconds on the wire); the seconds of
+        each phase go into ``phases``."""
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
         from disagg.transport.manifest import Manifest
+
+        t = time.perf_counter()
+
+        def lap(name: str) -> None:
+            nonlocal t
+            now = time.perf_counter()
+            phases[name] = phases.get(name, 0.0) + now - t
+            t = now
 
         if manifest is None:
             if self._coord is None:
@@ -286,6 +304,7 @@ class EngineActor:
             m = await self._control_call(self._coord.get_manifest, policy_version)
         else:
             m = Manifest.from_dict(manifest)
+        lap("manifest_s")
         self._report_state("SYNCING")
         eng = self._engine
         await self._await_submissions()
@@ -304,15 +323,19 @@ class EngineActor:
             await eng.engine_core.pause_scheduler_async(mode="keep", clear_cache=False)
             self._paused = True
             self.stats["pauses"] += 1
+        lap("quiesce_s")  # requests added, aborted (resubmit) or frozen (keep)
         try:
             await eng.start_weight_update()
-            t1 = time.perf_counter()
+            lap("start_s")
             await eng.update_weights(WeightTransferUpdateRequest(update_info={"manifest": m.to_dict()}))
-            recv_s = time.perf_counter() - t1
+            recv_s = time.perf_counter() - t
+            lap("update_s")
             await vllm_api.finish_weight_update(eng, policy_version)
+            lap("finish_s")
             if await eng.reset_prefix_cache() is False:  # blocks still held (requests frozen in keep mode)
                 log.info("version %d: vLLM kept its prefix cache (blocks in use); requests are salted by "
                          "version, so none reuses another version's KV", policy_version)
+            lap("reset_cache_s")
         except BaseException as e:
             rejected = (await self.get_transfer_stats()).get("rejected") if self._engine is not None else None
             if rejected and self._weights_loaded.is_set():
@@ -328,6 +351,7 @@ class EngineActor:
         self.version = policy_version  # before resuming: every token from here on is this version's
         self._weights_loaded.set()
         await self._resume()
+        lap("resume_s")
         return m, recv_s
 
     async def _resume(self) -> None:
@@ -497,6 +521,14 @@ class EngineActor:
                 continue
             self._aborted_by_sync.discard(rid)
             return Completion(ids, logprobs, str(o.finish_reason) if o.finish_reason else "", versions)
+
+    async def set_load_mode(self, mode: str) -> str:
+        """``disagg bench vllm-sync``: load the next versions with ``mode`` (``transport.load``)."""
+        return (await self._engine.collective_rpc("disagg_set_load_mode", args=(mode,)))[0]
+
+    async def raw_receive(self, nbytes: int, repeats: int) -> list[float]:
+        """``disagg bench vllm-sync``: the worker's side of ``repeats`` raw broadcasts of ``nbytes``."""
+        return (await self._engine.collective_rpc("disagg_raw_receive", args=(nbytes, repeats)))[0]
 
     async def get_transfer_stats(self) -> dict[str, Any]:
         """What the receiver in the model's process counted for the last sync."""

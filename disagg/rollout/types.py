@@ -89,3 +89,7 @@ class SyncReport:
     num_tensors: int
     receive_s: float
     total_s: float
+    phases: dict[str, float] = field(default_factory=dict)
+    """Seconds of each phase: the actor's (manifest_s, quiesce_s, start_s, update_s, finish_s,
+    reset_cache_s, resume_s, ack_s) and the worker's split of update and finish (worker_receive_s:
+    wire and loads, worker_load_s: loads, worker_reload_init_s, worker_finalize_s)."""

@@ -4,8 +4,22 @@ vLLM creates this engine inside the process that holds the model (worker or
 EngineCore) when started with ``weight_transfer_config={"backend": "disagg"}``;
 the ``vllm.general_plugins`` entry point in pyproject.toml registers it in
 every vLLM process (``vllm_plugin.register``). Receiving goes through ``disagg.transport.receiver`` - the
-same unpacking as every other receiver - and loads through vLLM's layerwise
-reload so vLLM itself fuses qkv / gate_up and repacks CPU weights.
+same unpacking as every other receiver - and loads in one of two ways
+(``transport.load``):
+
+- ``layerwise``: vLLM's layerwise reload (what vLLM's own NCCL backend does). Each
+  layer's parameters are put back on the meta device at the start, the received
+  tensors are held until a layer is complete, then the layer is materialised
+  afresh, loaded, post-processed (CPU linear layers repack their weights, quantised
+  layers re-quantise) and copied into the storage the kernels and CUDA graphs point
+  at. Needed on CPU and for quantised models.
+- ``direct``: ``model.load_weights`` into the live parameters (vLLM's own loaders
+  fuse qkv / gate_up and shard for TP, copying in place). No second copy of the
+  weights and no per-layer materialisation; only for unquantised models on GPUs,
+  where the loaded tensors are the ones the kernels read. ``auto`` picks it there.
+
+Each update records where its time went (``last_stats``: wire, load, reload set-up
+and finalisation) for the engine's sync report.
 
 This module is the only place that touches vLLM's model internals.
 """
@@ -13,6 +27,7 @@ This module is the only place that touches vLLM's model internals.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +35,7 @@ import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
 
 from disagg.errors import ChecksumError
-from disagg.transport.group import create_group
+from disagg.transport.group import create_group, timed_raw_broadcasts
 from disagg.transport.manifest import Manifest
 from disagg.transport.sync import receive_model
 
@@ -37,6 +52,19 @@ class DisaggInitInfo(WeightTransferInitInfo):
     source: str = "gather"
     num_buffers: int = 2
     verify: bool = False
+    load: str = "auto"  # transport.load: auto | layerwise | direct
+
+
+def resolve_load_mode(requested: str, device_type: str, quantized: bool) -> str:
+    """``transport.load`` for a worker on ``device_type`` (pure): 'layerwise' or 'direct'."""
+    if requested not in ("auto", "layerwise", "direct"):
+        raise ValueError(f"transport.load must be auto, layerwise or direct, got {requested!r}")
+    if requested == "auto":
+        return "direct" if device_type == "cuda" and not quantized else "layerwise"
+    if requested == "direct" and (device_type != "cuda" or quantized):
+        why = "a quantised model" if quantized else f"a {device_type} worker (its linear layers repack their weights)"
+        raise ValueError(f"transport.load='direct' cannot load into {why}: use 'layerwise' or 'auto'")
+    return requested
 
 
 @dataclass
@@ -62,32 +90,48 @@ class DisaggWeightTransferEngine(WeightTransferEngine[DisaggInitInfo, DisaggUpda
         self.info: DisaggInitInfo | None = None
         self.last_stats: dict[str, Any] = {}
         self._reloading = False
+        self.load_mode = "layerwise"
+        self._times: dict[str, float] = {}
 
     def init_transfer_engine(self, init_info: DisaggInitInfo) -> None:
         pc = self.parallel_config
         rank = init_info.rank_offset + pc.data_parallel_index * pc.world_size + pc.rank
         self.shutdown()
         self.info = init_info
+        self.load_mode = resolve_load_mode(init_info.load, self.device.type,
+                                           getattr(self.vllm_config, "quant_config", None) is not None)
         self.groups = [
             create_group(host=host, port=int(port), rank=rank, world_size=init_info.world_size,
                          backend=init_info.backend, timeout_s=init_info.timeout_s, group_name=name, device=self.device)
             for host, port, name in init_info.groups
         ]
-        log.info("[rollout] joined %d transport group(s) as rank %d/%d", len(self.groups), rank, init_info.world_size)
+        log.info("[rollout] joined %d transport group(s) as rank %d/%d (load %s)", len(self.groups), rank,
+                 init_info.world_size, self.load_mode)
 
     def start_weight_update(self) -> None:
         self._reloading = False
+        self._times = {"load_s": 0.0, "reload_init_s": 0.0, "finalize_s": 0.0}
 
     def _load(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
-        if not self._reloading:
-            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+        t0 = time.perf_counter()
+        if self.load_mode == "direct":
+            # vLLM's loaders copy into the live parameters before returning: views of the
+            # receive buffer need no copy of their own.
+            self.model.load_weights(tensors)
+        else:
+            if not self._reloading:
+                from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
-            initialize_layerwise_reload(self.model)
-            self._reloading = True
-        # vLLM's layerwise reload holds the tensors it is given until their layer is
-        # complete, which may be after the receive buffer they view was reused for a
-        # later bucket: hand it copies of views.
-        self.model.load_weights([(n, t.clone() if t._base is not None else t) for n, t in tensors])
+                initialize_layerwise_reload(self.model)
+                self._reloading = True
+                t1 = time.perf_counter()
+                self._times["reload_init_s"] += t1 - t0
+                t0 = t1
+            # vLLM's layerwise reload holds the tensors it is given until their layer is
+            # complete, which may be after the receive buffer they view was reused for a
+            # later bucket: hand it copies of views.
+            self.model.load_weights([(n, t.clone() if t._base is not None else t) for n, t in tensors])
+        self._times["load_s"] = self._times.get("load_s", 0.0) + time.perf_counter() - t0
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # The base class ends with torch.accelerator.synchronize(), which raises on
@@ -98,7 +142,7 @@ class DisaggWeightTransferEngine(WeightTransferEngine[DisaggInitInfo, DisaggUpda
         if not self.groups or self.info is None:
             raise RuntimeError("disagg weight transfer: init_weight_transfer_engine was never called")
         manifest = Manifest.from_dict(update_info.manifest)
-        self.last_stats = {"policy_version": manifest.policy_version, "rejected": None}
+        self.last_stats = {"policy_version": manifest.policy_version, "rejected": None, "load_mode": self.load_mode}
         try:
             stats = receive_model(self.groups, manifest, self._load, device=self.device, source=self.info.source,
                                   num_buffers=self.info.num_buffers, verify=self.info.verify)
@@ -116,7 +160,7 @@ class DisaggWeightTransferEngine(WeightTransferEngine[DisaggInitInfo, DisaggUpda
                     log.error("[rollout] could not finish the interrupted weight reload: %s", e)
             raise
         self.last_stats.update(bytes=stats.bytes, seconds=stats.seconds, num_buckets=stats.num_buckets,
-                               num_tensors=stats.num_tensors)
+                               num_tensors=stats.num_tensors, **self._times)
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
@@ -124,6 +168,7 @@ class DisaggWeightTransferEngine(WeightTransferEngine[DisaggInitInfo, DisaggUpda
 
         if not self._reloading:
             return
+        t0 = time.perf_counter()
         finalize_layerwise_reload(self.model, self.model_config)
         self._reloading = False
         # A tied lm_head keeps the dummy weights' packed copy unless its quant
@@ -131,6 +176,8 @@ class DisaggWeightTransferEngine(WeightTransferEngine[DisaggInitInfo, DisaggUpda
         for module in self.model.modules():
             if isinstance(module, VocabParallelEmbedding):
                 module.quant_method.process_weights_after_loading(module)
+        self._times["finalize_s"] = time.perf_counter() - t0
+        self.last_stats["finalize_s"] = self._times["finalize_s"]
 
     def shutdown(self) -> None:
         for g in self.groups:
@@ -155,3 +202,19 @@ class DisaggWorkerExtension:
     def disagg_transfer_stats(self) -> dict[str, Any]:
         engine = getattr(self, "weight_transfer_engine", None)
         return dict(engine.last_stats) if engine is not None else {}
+
+    def disagg_set_load_mode(self, mode: str) -> str:
+        """``disagg bench vllm-sync``: load the next updates with ``mode`` (``transport.load``); the mode resolved."""
+        engine = self.weight_transfer_engine
+        engine.load_mode = resolve_load_mode(mode, engine.device.type,
+                                             getattr(engine.vllm_config, "quant_config", None) is not None)
+        return engine.load_mode
+
+    def disagg_raw_receive(self, nbytes: int, repeats: int) -> list[float]:
+        """``disagg bench vllm-sync``: take part in ``repeats`` raw broadcasts of ``nbytes`` from the trainer
+        on this worker's first transport group (the baseline of a sync's rate); each one's seconds."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        if engine is None or not engine.groups:
+            raise RuntimeError("disagg_raw_receive: the worker has not joined a transport group")
+        return timed_raw_broadcasts(engine.groups[0], nbytes, repeats, engine.device)
+

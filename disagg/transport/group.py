@@ -446,3 +446,21 @@ def _join(prefix: PrefixStore, rank: int, world_size: int, deadline: float, time
     except RuntimeError as e:
         raise TransportError(f"{where}: rendezvous failed, lost the store hosted by rank 0 "
                              f"(it gave up or died: {_brief(e)}); missing ranks when last checked: {missing}") from e
+
+
+def timed_raw_broadcasts(group: "TransportGroup", nbytes: int, repeats: int, device: torch.device) -> list[float]:
+    """``repeats`` broadcasts of one flat ``nbytes`` buffer from rank 0 over ``group``, each after a
+    barrier and timed on this rank to its completion on the device: the raw rate a sync over the same
+    group is measured against. Every rank calls it."""
+    buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    out = []
+    for _ in range(repeats):
+        group.barrier()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        group.broadcast(buf, 0, count_bytes=False)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        out.append(time.perf_counter() - t0)
+    return out

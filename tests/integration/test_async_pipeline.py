@@ -279,6 +279,9 @@ def test_max_staleness_zero_reproduces_the_synchronous_pattern(job, tok):
         assert r["rollout/inflight_groups"] == 0 and r["rollout/ready_groups"] == 0  # nothing ran ahead
         # The trainer waited for its push: its wait spans the trainer's own send of the version.
         assert r["timing/trainer_sync_wait_s"] >= r["weight_sync/send_s"] > 0, r
+        # The engine's phases of that sync: its worker's receive loop ran inside the update RPC, inside the sync.
+        assert 0 < r["weight_sync/engine_worker_receive_s"] <= r["weight_sync/engine_update_s"], r
+        assert r["weight_sync/engine_update_s"] + r["weight_sync/engine_finish_s"] <= r["timing/weight_sync_s"], r
 
 
 def test_staleness_is_bounded_with_a_slow_trainer_and_changed_at_run_time_over_grpc(job, tok):

@@ -129,7 +129,9 @@ def test_recorder_splits_the_trainers_time_into_waiting_for_a_batch_and_blocked_
     assert r.engine_rates({0: 2, 1: 0}, now=110.0) == {0: (2, 3.0), 1: (0, 1.0)}
     record = StepRecord(1, 1, [_group(0, 0, [1, 1]), _group(1, 1, [0, 1], reward=0.0)], t_batch=102.0, limit=0,
                         t_train_done=105.0, train={"loss": 0.5})
-    rec = r.step_done(record, SyncStats(2, 4_000_000_000, 2.0, 1.0, 3), now=110.0, run={"rollout/prompts_lost": 0})
+    rec = r.step_done(record, SyncStats(2, 4_000_000_000, 2.0, 1.0, 3, {"finish_s": 0.25, "worker_load_s": 0.5}),
+                      now=110.0, run={"rollout/prompts_lost": 0})
+    assert rec["weight_sync/engine_finish_s"] == 0.25 and rec["weight_sync/engine_worker_load_s"] == 0.5
     assert rec["timing/rollout_s"] == pytest.approx(3.5)
     assert rec["timing/trainer_sync_wait_s"] == pytest.approx(1.5)
     assert rec["timing/train_s"] == pytest.approx(3.0)
@@ -146,6 +148,7 @@ def test_recorder_splits_the_trainers_time_into_waiting_for_a_batch_and_blocked_
     r.trained(112.0)  # the step whose batch was taken at 108
     r.trainer_free(112.5)
     rec2 = r.step_done(StepRecord(2, 2, [_group(2, 0, [2])], 108.0, 1, 112.0), SyncStats(3, 0, 0.0, 0.0, 0), 113.0, {})
+    assert not any(k.startswith("weight_sync/engine_") for k in rec2)
     assert rec2["timing/trainer_sync_wait_s"] == pytest.approx(0.5) and rec2["timing/rollout_s"] == 0.0
     assert rec2["rollout/tokens_per_s"] == 0.0 and rec2["timing/step_s"] == pytest.approx(3.0)
     assert rec2["samples/trained_beyond_staleness"] == 1 and r.trained_samples == 5 and r.trained_tokens == 15
@@ -363,3 +366,17 @@ def test_the_loop_ends_with_an_error_when_no_engine_is_left_for_a_sync_that_wait
     # The last step is done but its weights still wait for an engine: not an idle wait for a resume.
     with pytest.raises(RolloutError, match=r"every rollout engine died \(\[0\]\)"):
         Pipeline._wait(loop, paused=False, limit=1)
+
+
+def test_a_syncs_engine_phases_are_the_slowest_engines_and_the_bytes_the_trainers() -> None:
+    from disagg.job import Job
+    from disagg.rollout.types import SyncReport
+
+    pending = PendingSync(4, t0=0.0, refs=[], num_trainer_refs=1, engine_ids=(0, 1))
+    sent = [{"bytes": 100, "send_s": 0.5, "num_buckets": 2}]
+    reports = [SyncReport(0, 4, 100, 2, 5, 0.4, 0.6, {"update_s": 0.4, "finish_s": 0.05}),
+               SyncReport(1, 4, 100, 2, 5, 0.3, 0.7, {"update_s": 0.3, "finish_s": 0.09, "quiesce_s": 0.02})]
+    s = Job.sync_stats(None, pending, sent, reports)
+    assert s.engine_phases == {"update_s": 0.4, "finish_s": 0.09, "quiesce_s": 0.02}
+    assert (s.policy_version, s.bytes, s.send_s, s.num_buckets) == (4, 100, 0.5, 2)
+    assert Job.sync_stats(None, pending, sent).engine_phases == {}

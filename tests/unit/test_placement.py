@@ -167,6 +167,15 @@ def test_the_one_gpu_preset_shares_a_gpu_and_syncs_over_gloo():
         _compose(["cluster=one_gpu", "transport.backend=nccl"])
 
 
+def test_direct_loading_is_refused_on_cpu_with_the_key_named():
+    from disagg.config import resolve_backend
+
+    cfg = _compose(["transport.load=direct"])
+    assert resolve_backend(cfg, "cuda") == "nccl"  # accepted on GPUs
+    with pytest.raises(ConfigError, match="transport.load='direct' needs cluster.device=cuda"):
+        resolve_backend(cfg, "cpu")
+
+
 def test_the_gpu_preset_gives_each_rank_a_gpu_and_syncs_over_nccl():
     from disagg.config import resolve_backend
 

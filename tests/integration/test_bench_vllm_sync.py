@@ -1,0 +1,61 @@
+"""``disagg bench vllm-sync`` on CPU: a real job (vLLM engine, trainer, coordinator, gloo group), the raw
+broadcast over the job's own group, and each sync's phases as the engine and its worker saw them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from disagg.bench.vllm_sync import resolve_options, summarise
+
+
+def test_options_pick_both_load_modes_and_a_gpu_preset_on_cuda_and_refuse_direct_on_cpu():
+    cuda = resolve_options({"device": "auto"}, gpus=1)
+    assert cuda.device == "cuda" and cuda.loads == ("direct", "layerwise")
+    assert cuda.overrides == ("cluster=one_gpu", "shape=qwen2.5-0.5b")
+    assert resolve_options({"device": "cuda", "overrides": ("cluster=gpu",)}, gpus=2).overrides == (
+        "shape=qwen2.5-0.5b", "cluster=gpu")
+    cpu = resolve_options({}, gpus=0)
+    assert cpu.device == "cpu" and cpu.loads == ("layerwise",) and cpu.overrides == ()
+    with pytest.raises(ValueError, match="--loads direct needs --device cuda"):
+        resolve_options({"device": "cpu", "loads": ("direct",)}, gpus=0)
+    with pytest.raises(ValueError, match=r"--loads: unknown modes \['fast'\]"):
+        resolve_options({"device": "cpu", "loads": ("fast",)}, gpus=0)
+
+
+def test_summary_takes_medians_and_the_driver_share_is_what_no_engine_phase_covers():
+    runs = [{"seconds": s, "send_s": 0.1, "phases": {"update_s": u, "finish_s": 0.1, "worker_load_s": 0.05}}
+            for s, u in ((1.0, 0.6), (2.0, 0.7), (1.2, 0.5))]
+    out = summarise([0.5, 0.4, 0.6], {"layerwise": runs})
+    m = out["modes"]["layerwise"]
+    assert out["raw_s"] == 0.5 and m["seconds"] == 1.2 and m["raw_vs_sync"] == pytest.approx(0.5 / 1.2)
+    assert m["fixed_s"] == pytest.approx(0.7) and m["phases"]["update_s"] == 0.6
+    assert m["driver_s"] == pytest.approx(0.6)  # medians of 0.3, 1.2, 0.6: worker phases lie inside update_s
+    assert list(m["phases"]) == ["update_s", "finish_s", "worker_load_s"]  # in the order of a sync
+
+
+@pytest.mark.timeout(600)
+def test_bench_vllm_sync_times_a_raw_broadcast_and_each_syncs_phases(tmp_path):
+    out = tmp_path / "vs.json"
+    cmd = [sys.executable, "-m", "disagg", "bench", "vllm-sync", "--device", "cpu", "--repeats", "2",
+           "--run-dir", str(tmp_path / "run"), "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=540)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["backend"] == "gloo" and r["engine_workers"] == 1 and r["bytes"] > 0
+    assert len(r["raw_all_s"]) == 2 and all(s > 0 for s in r["raw_all_s"])
+    runs = r["syncs"]["layerwise"]
+    assert len(runs) == 2 and r["resolved_loads"] == {"layerwise": "layerwise"}
+    for run in runs:
+        p = run["phases"]
+        # the worker's receive loop runs inside the update RPC; the actor's phases inside the driver's sync
+        assert 0 < p["worker_receive_s"] <= p["update_s"], p
+        assert 0 < p["worker_load_s"] <= p["worker_receive_s"], p
+        assert p["worker_reload_init_s"] > 0 and p["worker_finalize_s"] > 0  # layerwise: vLLM's reload ran
+        assert sum(v for k, v in p.items() if not k.startswith("worker_")) <= run["seconds"], run
+    m = r["modes"]["layerwise"]
+    assert m["raw_vs_sync"] == pytest.approx(r["raw_s"] / m["seconds"])
+    assert "raw broadcast, same group" in proc.stdout and "load=layerwise" in proc.stdout
