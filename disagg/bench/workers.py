@@ -216,7 +216,7 @@ class BenchTrainer(_Member):
 
         self.group = self._join(self.rank, 0, **kw)
         # One sender for every sync, as the trainer keeps one: its bucket buffers persist.
-        self.sender = WeightSender(self.group, 0, self.num_buffers, self.verify)
+        self.sender = WeightSender(self.group, 0, self.num_buffers, self.verify, device=self.device)
 
     def _send(self) -> None:
         from disagg.transport.sync import send_model

@@ -383,7 +383,18 @@ class TrainerWorker:
             self.group.destroy()
         self.group = create_group(host=host, port=port, rank=0, world_size=world_size, backend=backend,
                                   timeout_s=timeout_s, group_name=group_name, device=self.device)
-        self.sender = WeightSender(self.group, 0, self.transport_cfg.num_buffers, self.transport_cfg.verify)
+        # Packed where the parameters live: over gloo from a GPU the buckets leave it whole.
+        self.sender = WeightSender(self.group, 0, self.transport_cfg.num_buffers, self.transport_cfg.verify,
+                                   device=self.device)
+
+    def raw_send(self, nbytes: int, repeats: int) -> list[float]:
+        """``disagg bench vllm-sync``: ``repeats`` raw broadcasts of ``nbytes`` on this rank's transport group
+        (every receiver calls ``raw_receive``); each one's seconds."""
+        from disagg.transport.group import timed_raw_broadcasts
+
+        if self.group is None:
+            raise RuntimeError("raw_send: this trainer rank has no transport group (init_transport first)")
+        return timed_raw_broadcasts(self.group, nbytes, repeats, self.device)
 
     def manifest(self, policy_version: int) -> dict:
         """The full-tensor manifest of this model at ``policy_version`` (layout only; no collective)."""

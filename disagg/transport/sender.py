@@ -142,9 +142,16 @@ class WeightSender:
     whose tensors already lie in one flat buffer in plan order (see
     ``flatten_parameters``) is sent as a view, without packing. With ``verify``
     each bucket is followed by its checksum.
+
+    Buckets are packed on ``device``, the device of the tensors it sends (default: the
+    group's). Over gloo from GPU parameters (a trainer sharing its GPU with an engine,
+    ``cluster=one_gpu``) the cast and the gather of each bucket then stay on the GPU and
+    gloo copies the packed bucket to host memory in one piece through pinned memory,
+    instead of a copy per tensor into pageable host buffers.
     """
 
-    def __init__(self, group: TransportGroup, src: int = 0, num_buffers: int = 2, verify: bool = False) -> None:
+    def __init__(self, group: TransportGroup, src: int = 0, num_buffers: int = 2, verify: bool = False,
+                 device: torch.device | None = None) -> None:
         if group.rank != src:
             raise ValueError(f"WeightSender must run on the source rank {src}, this is rank {group.rank}")
         if num_buffers < 1:
@@ -153,6 +160,7 @@ class WeightSender:
         self.src = src
         self.num_buffers = num_buffers
         self.verify = verify
+        self.device = device if device is not None else group.device
         self._after_pack: Callable[[int, torch.Tensor], None] | None = None  # fault injection in tests
         self._slots: list[dict[str, torch.Tensor]] = []
         self._slots_key: str | None = None
@@ -184,7 +192,7 @@ class WeightSender:
     def _buffers(self, manifest: Manifest, slack: int = 0) -> list[dict[str, torch.Tensor]]:
         key = f"{manifest.layout_digest()}+{slack}"
         if self._slots_key != key:  # kept across syncs of the same layout
-            self._slots = [bucket_buffers(manifest, self.group.device, slack) for _ in range(self.num_buffers)]
+            self._slots = [bucket_buffers(manifest, self.device, slack) for _ in range(self.num_buffers)]
             self._slots_key = key
         return self._slots
 
@@ -240,8 +248,8 @@ class WeightSender:
         # Host-side completion (timeouts, errors, byte counts), oldest first.
         for op in finished + [op for ops in in_flight for op in ops]:
             op.wait()
-        if self.group.device.type == "cuda":
-            torch.cuda.current_stream(self.group.device).synchronize()
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
         del header  # alive until its broadcast completed
         seconds = time.perf_counter() - t0
         stats = SendStats(bytes=sum(p.nbytes for p in manifest.buckets), seconds=seconds,

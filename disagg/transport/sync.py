@@ -98,20 +98,20 @@ def send_model(group: TransportGroup | None, model: torch.nn.Module, full: Manif
     do. Returns the send statistics on ranks that sent, None on ranks that only gathered.
     """
     params = dict(model.named_parameters()) if params is None else params
+    device = next(iter(params.values())).device  # buckets are packed there (WeightSender)
     if source == "gather":
         if num_trainer_ranks == 1:  # nothing to gather: the parameters themselves (zero-copy when flat)
-            sender = sender or WeightSender(group, 0, num_buffers, verify)
+            sender = sender or WeightSender(group, 0, num_buffers, verify, device=device)
             return sender.send(full, params)
         gatherer = ShardGatherer(params, full)
         if trainer_rank != 0:
             # Take part in every gather, in the same order as rank 0, into scratch buffers
             # (kept across syncs, as rank 0 keeps its bucket buffers).
-            device = next(iter(params.values())).device
             scratch = _scratch_buffers(full, device, gatherer.slack, max(num_buffers, 1))
             for i, plan in enumerate(full.buckets):
                 gatherer(plan, scratch[i % len(scratch)][plan.dtype])
             return None
-        sender = sender or WeightSender(group, 0, num_buffers, verify)
+        sender = sender or WeightSender(group, 0, num_buffers, verify, device=device)
         return sender.send(full, fill=gatherer)
     if source != "shards":
         raise ValueError(f"transport.source must be one of {SOURCES}, got {source!r}")
@@ -121,7 +121,7 @@ def send_model(group: TransportGroup | None, model: torch.nn.Module, full: Manif
         if tuple(local[t.name].shape) != t.shape:
             raise TransportError(f"trainer rank {trainer_rank}: local shard of {t.name!r} has shape "
                                  f"{tuple(local[t.name].shape)}, expected {t.shape} (dim-0 FSDP2 sharding)")
-    sender = sender or WeightSender(group, 0, num_buffers, verify)
+    sender = sender or WeightSender(group, 0, num_buffers, verify, device=device)
     return sender.send(mine, local)
 
 

@@ -1,5 +1,6 @@
-"""The model-level sync of tests/integration/test_sync_modes.py over NCCL, one GPU
-per process (trainers first, then 2 receivers). Run on the GPU machines."""
+"""The model-level sync of tests/integration/test_sync_modes.py on GPUs: over NCCL, one GPU
+per process (trainers first, then 2 receivers), and over gloo between processes sharing one GPU
+(cluster=one_gpu). Run on the GPU machines."""
 
 import pytest
 import torch
@@ -34,3 +35,16 @@ def test_nccl_checksum_mismatch_rejects_the_version():
     for r in (x for x in reports if x["role"] == "receiver"):
         assert r["rejected"] and "checksum mismatch" in r["rejected"]
         assert r["weights"] == r["before"]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_gloo_sync_between_processes_sharing_one_gpu_packs_on_the_gpu_and_is_bit_identical(overlap):
+    # cluster=one_gpu: trainer and receivers on one GPU, the weights over gloo. The sender packs
+    # (and casts) each bucket on the GPU and hands gloo the GPU buffer, which it stages through
+    # pinned host memory, instead of copying tensor by tensor into pageable host buffers.
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    reports = _run(1, "gather", backend="gloo-cuda", receivers=2, overlap=overlap)
+    check_bit_identical(reports, 1, "gather")
+    trainer = next(r for r in reports if r["role"] == "trainer")
+    assert trainer["staged_on"] == ["cuda:0"]

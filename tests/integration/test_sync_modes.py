@@ -44,10 +44,16 @@ def _digest(net: torch.nn.Module) -> dict[str, list[float]]:
 
 
 def _device(backend: str, index: int) -> torch.device:
-    if backend == "nccl":
+    """nccl: one GPU per process; gloo-cuda: every process on GPU 0 over gloo (``cluster=one_gpu``)."""
+    if backend in ("nccl", "gloo-cuda"):
+        index = index if backend == "nccl" else 0
         torch.cuda.set_device(index)
         return torch.device("cuda", index)
     return torch.device("cpu")
+
+
+def _wire(backend: str) -> str:
+    return "gloo" if backend == "gloo-cuda" else backend
 
 
 def _trainer(rank: int, world: int, receivers: int, ports: list[int], fsdp_port: int, source: str,
@@ -72,11 +78,11 @@ def _trainer(rank: int, world: int, receivers: int, ports: list[int], fsdp_port:
     started.wait(timeout=START_TIMEOUT_S)  # everyone is up: the rendezvous timeout times the rendezvous alone
     group = None
     if rank < source_groups_needed(source, world):
-        group = create_group(host=HOST, port=ports[rank], rank=0, world_size=1 + receivers, backend=backend,
+        group = create_group(host=HOST, port=ports[rank], rank=0, world_size=1 + receivers, backend=_wire(backend),
                              timeout_s=TIMEOUT_S, group_name=f"s{rank}", device=device)
     from disagg.transport.sender import WeightSender
 
-    sender = WeightSender(group, 0, num_buffers=2, verify=corrupt) if group is not None else None
+    sender = WeightSender(group, 0, num_buffers=2, verify=corrupt, device=device) if group is not None else None
     if sender is not None and corrupt:
         def flip(index: int, packed: torch.Tensor) -> None:  # after the checksum: a wire corruption
             if index == 1:
@@ -89,7 +95,8 @@ def _trainer(rank: int, world: int, receivers: int, ports: list[int], fsdp_port:
     else:
         stats = send_model(group, net, full, source=source, trainer_rank=rank, num_trainer_ranks=world,
                            num_buffers=2, verify=corrupt, sender=sender)
-    out.put({"role": "trainer", "rank": rank, "weights": full_weights,
+    staged = sorted({str(b.device) for slot in sender._slots for b in slot.values()}) if sender else []
+    out.put({"role": "trainer", "rank": rank, "weights": full_weights, "staged_on": staged,
              "sent": None if stats is None else stats.bytes, "manifest_bytes": full.total_bytes})
     if group is not None:
         group.barrier()
@@ -153,7 +160,7 @@ def _receiver(index: int, receivers: int, num_groups: int, ports: list[int], sou
     net.to(device)
     before = _digest(net)
     started.wait(timeout=START_TIMEOUT_S)
-    groups = [create_group(host=HOST, port=ports[r], rank=1 + index, world_size=1 + receivers, backend=backend,
+    groups = [create_group(host=HOST, port=ports[r], rank=1 + index, world_size=1 + receivers, backend=_wire(backend),
                            timeout_s=TIMEOUT_S, group_name=f"s{r}", device=device) for r in range(num_groups)]
     full = model_manifest(net, BUCKET_BYTES, policy_version=5)
     load = TorchModelReceiver.load_into_module(net)
