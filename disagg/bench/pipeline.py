@@ -93,26 +93,38 @@ GPU_DEFAULTS: dict[str, Any] = {
 """``--device cuda``: the defaults that differ from the CPU ones."""
 
 
-def resolve_options(given: dict[str, Any], gpus: int) -> PipelineBenchOptions:
-    """The bench's options: ``given`` (what the command line set; absent keys take the defaults) on
-    ``device`` with ``gpus`` GPUs visible. On cuda, GPU_DEFAULTS replace the CPU defaults and, unless
-    the overrides pick them, ``shape=qwen2.5-0.5b`` and ``cluster=gpu`` (2+ GPUs) or ``one_gpu``. Pure."""
-    device = given.get("device", "cpu")
+def bench_device(requested: str, gpus: int) -> str:
+    """``--device`` (cpu, cuda or auto) resolved for ``gpus`` visible GPUs; ValueError names a bad one."""
+    device = requested
     if device == "auto":
         device = "cuda" if gpus else "cpu"
     if device not in ("cpu", "cuda"):
-        raise ValueError(f"--device must be cpu, cuda or auto, got {device!r}")
+        raise ValueError(f"--device must be cpu, cuda or auto, got {requested!r}")
     if device == "cuda" and not gpus:
         raise ValueError("--device cuda: this process sees no GPU")
+    return device
+
+
+def gpu_overrides(overrides: tuple[str, ...] | list[str], gpus: int) -> tuple[str, ...]:
+    """``overrides`` with, unless they pick them, ``shape=qwen2.5-0.5b`` and ``cluster=gpu`` (2+ GPUs:
+    NCCL) or ``cluster=one_gpu`` (both sides on one GPU, gloo) in front: a bench's run on cuda."""
+    out = list(overrides)
+    keys = {o.lstrip("+~").split("=", 1)[0] for o in out}
+    if "shape" not in keys:
+        out.insert(0, "shape=qwen2.5-0.5b")
+    if "cluster" not in keys:
+        out.insert(0, "cluster=gpu" if gpus >= 2 else "cluster=one_gpu")
+    return tuple(out)
+
+
+def resolve_options(given: dict[str, Any], gpus: int) -> PipelineBenchOptions:
+    """The bench's options: ``given`` (what the command line set; absent keys take the defaults) on
+    ``device`` with ``gpus`` GPUs visible. On cuda, GPU_DEFAULTS replace the CPU defaults and the
+    overrides get a shape and a cluster (``gpu_overrides``). Pure."""
+    device = bench_device(given.get("device", "cpu"), gpus)
     values = {**(GPU_DEFAULTS if device == "cuda" else {}), **given, "device": device}
-    overrides = list(values.get("overrides", ()))
-    if device == "cuda":
-        keys = {o.lstrip("+~").split("=", 1)[0] for o in overrides}
-        if "shape" not in keys:
-            overrides.insert(0, "shape=qwen2.5-0.5b")
-        if "cluster" not in keys:
-            overrides.insert(0, "cluster=gpu" if gpus >= 2 else "cluster=one_gpu")
-    values["overrides"] = tuple(overrides)
+    overrides = tuple(values.get("overrides", ()))
+    values["overrides"] = gpu_overrides(overrides, gpus) if device == "cuda" else overrides
     return PipelineBenchOptions(**values)
 
 

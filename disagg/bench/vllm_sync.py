@@ -61,13 +61,9 @@ class VllmSyncOptions:
 def resolve_options(given: dict[str, Any], gpus: int) -> VllmSyncOptions:
     """Options for ``gpus`` visible GPUs: on cuda, both load modes and, unless the overrides pick them,
     ``shape=qwen2.5-0.5b`` and ``cluster=gpu`` (2+ GPUs: NCCL) or ``one_gpu`` (gloo). Pure."""
-    device = given.get("device", "auto")
-    if device == "auto":
-        device = "cuda" if gpus else "cpu"
-    if device not in ("cpu", "cuda"):
-        raise ValueError(f"--device must be cpu, cuda or auto, got {device!r}")
-    if device == "cuda" and not gpus:
-        raise ValueError("--device cuda: this process sees no GPU")
+    from disagg.bench.pipeline import bench_device, gpu_overrides
+
+    device = bench_device(given.get("device", "auto"), gpus)
     values = dict(given, device=device)
     loads = tuple(values.get("loads") or (("direct", "layerwise") if device == "cuda" else ("layerwise",)))
     bad = [m for m in loads if m not in ("direct", "layerwise")]
@@ -76,14 +72,8 @@ def resolve_options(given: dict[str, Any], gpus: int) -> VllmSyncOptions:
     if device == "cpu" and "direct" in loads:
         raise ValueError("--loads direct needs --device cuda (CPU linear layers repack their weights)")
     values["loads"] = loads
-    overrides = list(values.get("overrides", ()))
-    keys = {o.lstrip("+~").split("=", 1)[0] for o in overrides}
-    if device == "cuda":
-        if "shape" not in keys:
-            overrides.insert(0, "shape=qwen2.5-0.5b")
-        if "cluster" not in keys:
-            overrides.insert(0, "cluster=gpu" if gpus >= 2 else "cluster=one_gpu")
-    values["overrides"] = tuple(overrides)
+    overrides = tuple(values.get("overrides", ()))
+    values["overrides"] = gpu_overrides(overrides, gpus) if device == "cuda" else overrides
     return VllmSyncOptions(**values)
 
 
