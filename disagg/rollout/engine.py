@@ -136,6 +136,7 @@ class EngineActor:
             max_num_seqs=self.cfg.max_num_seqs,
             enforce_eager=self.cfg.enforce_eager,
             tensor_parallel_size=self.cfg.tensor_parallel_size,
+            distributed_executor_backend=vllm_api.executor_backend(self.cfg.tensor_parallel_size),
             seed=self.seed,
             logprobs_mode="processed_logprobs",
             weight_transfer_config={"backend": "disagg"},

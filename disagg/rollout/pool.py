@@ -8,6 +8,7 @@ sync. This module does not import vLLM: engines import it in their own process.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from typing import Any
 
@@ -65,9 +66,13 @@ class RolloutPool:
         cfg, tp, eid = self.cfg, self.tp, self._next_id
         self._next_id += 1
         env = dict(ENGINE_ENV, VLLM_LOGGING_LEVEL=cfg.rollout.vllm_log_level)
-        if tp > 1:  # vLLM's Ray executor places the TP workers on this engine's bundles
+        if tp > 1:  # GPUs: vLLM's Ray executor places the TP workers on this engine's bundles
             env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
             env["VLLM_RAY_BUNDLE_INDICES"] = ",".join(str(b) for b in bundle_indices)
+            if self.device == "cpu":
+                # CPU: worker processes of the engine (vllm_api.executor_backend), each left to the OS's
+                # scheduler: vLLM's own binding wants a NUMA node per TP worker.
+                env["VLLM_CPU_OMP_THREADS_BIND"] = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         handle = ray.remote(EngineActor).options(
             num_cpus=cfg.rollout.cpus_per_engine if tp == 1 else 0,
             num_gpus=(cfg.rollout.gpus_per_engine if self.device == "cuda" else 0) if tp == 1 else 0,

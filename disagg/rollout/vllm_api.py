@@ -42,6 +42,18 @@ def vllm_version() -> str:
     return str(getattr(vllm, "__version__", "unknown"))
 
 
+def executor_backend(tensor_parallel_size: int) -> str | None:
+    """vLLM's ``distributed_executor_backend`` for an engine of ``tensor_parallel_size`` workers: vLLM's
+    own choice (on GPUs inside a Ray actor: its Ray executor, on the engine's placement group), but
+    ``mp`` (worker processes of the engine actor) on CPU, where vLLM has no Ray executor ("current
+    platform cpu does not support ray")."""
+    if tensor_parallel_size == 1:
+        return None
+    from vllm.platforms import current_platform
+
+    return "mp" if current_platform.is_cpu() else None
+
+
 def labels_token_versions(engine) -> bool:
     """Whether this vLLM labels each output token with the weight version that sampled it."""
     from vllm.outputs import CompletionOutput
