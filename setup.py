@@ -11,12 +11,17 @@ grpcio-tools listed in ``[build-system] requires``:
   in ``build_py`` because setuptools turns a failing custom ``build_py`` into a
   warning in editable mode, and a failed generation must fail the install.
 
+A non-editable build also copies the Hydra configs (``configs/``) into the
+package as ``disagg/configs``, where ``disagg.cli.CONFIG_DIR`` finds them when
+there is no checkout around the installed package.
+
 The generator itself is ``disagg/control/gen.py`` (also ``python -m
 disagg.control.gen``), loaded by path because ``disagg`` is not importable in
 the isolated build environment.
 """
 
 import importlib.util
+import shutil
 from pathlib import Path
 
 from setuptools import setup
@@ -36,7 +41,7 @@ def _generate(out_dir: Path) -> None:
 
 
 class BuildPyWithStubs(build_py):
-    """Copy the sources, then generate the stubs into the build tree."""
+    """Copy the sources, then generate the stubs and copy the configs into the build tree."""
 
     def run(self) -> None:
         super().run()
@@ -44,6 +49,9 @@ class BuildPyWithStubs(build_py):
             # After super().run(): a stale _proto in the source tree, copied
             # above, is overwritten by stubs made from the current protos.
             _generate(Path(self.build_lib) / STUB_DIR)
+            configs = Path(self.build_lib, "disagg", "configs")
+            shutil.rmtree(configs, ignore_errors=True)
+            shutil.copytree(ROOT / "configs", configs, ignore=shutil.ignore_patterns("__pycache__"))
 
 
 class EditableWheelWithStubs(editable_wheel):

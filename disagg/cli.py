@@ -24,7 +24,9 @@ commands:
   bench soak [flags]      30 min of training with a pause/resume and an engine kill: RSS, nothing lost
 """
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+_PACKAGED_CONFIGS = Path(__file__).resolve().parent / "configs"  # in an installed wheel (setup.py copies them)
+CONFIG_DIR = _PACKAGED_CONFIGS if _PACKAGED_CONFIGS.is_dir() else Path(__file__).resolve().parent.parent / "configs"
+"""The Hydra configs: the wheel's copy, else the checkout's ``configs/`` (editable install, source tree)."""
 
 
 def _hydra_command(argv: list[str], mode: str) -> int:
@@ -42,7 +44,9 @@ def _hydra_command(argv: list[str], mode: str) -> int:
         if key in RENAMED_KEYS:
             print(f"disagg: invalid config: {RENAMED_KEYS[key]}", file=sys.stderr)
             return 2
-    result: dict[str, int] = {"rc": 1}
+    # 0 unless the task says otherwise: hydra's --cfg/--help/--info print and return without running
+    # it, and a task that raises makes hydra exit 1 itself.
+    result: dict[str, int] = {"rc": 0}
     # hydra.run.dir is <this>/<time> (configs/train.yaml): a default root never lies in a Ray job's
     # working-dir package, and disagg.paths.RunDirCheck refuses any run directory there before hydra
     # creates it.
