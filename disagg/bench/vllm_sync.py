@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from disagg.bench.pipeline import _composed, _machine, _visible_gpus, bench_device, gpu_overrides
 from disagg.logs import setup_logging
 
 log = logging.getLogger("disagg.bench")
@@ -61,8 +62,6 @@ class VllmSyncOptions:
 def resolve_options(given: dict[str, Any], gpus: int) -> VllmSyncOptions:
     """Options for ``gpus`` visible GPUs: on cuda, both load modes and, unless the overrides pick them,
     ``shape=qwen2.5-0.5b`` and ``cluster=gpu`` (2+ GPUs: NCCL) or ``one_gpu`` (gloo). Pure."""
-    from disagg.bench.pipeline import bench_device, gpu_overrides
-
     device = bench_device(given.get("device", "auto"), gpus)
     values = dict(given, device=device)
     loads = tuple(values.get("loads") or (("direct", "layerwise") if device == "cuda" else ("layerwise",)))
@@ -96,7 +95,6 @@ def summarise(raw_s: list[float], syncs: dict[str, list[dict[str, Any]]]) -> dic
 
 
 def _config(o: VllmSyncOptions):
-    from disagg.bench.pipeline import _composed
     from disagg.config import load_config
 
     data = _composed(o.overrides)
@@ -147,16 +145,6 @@ def run(o: VllmSyncOptions) -> dict[str, Any]:
         job.shutdown()
         ray.shutdown()
     return report
-
-
-def _machine(device: str) -> str:
-    import os
-
-    if device == "cuda":
-        import torch
-
-        return f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
-    return f"{os.cpu_count()} CPUs"
 
 
 def render(report: dict[str, Any]) -> None:
@@ -215,8 +203,3 @@ def main(argv: list[str]) -> int:
         print(f"wrote {json_path}", file=sys.stderr)
     return 0
 
-
-def _visible_gpus() -> int:
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -133,16 +133,9 @@ class _Member:
 
     def _timed(self, groups: list[TransportGroup], op: Callable[[], None], iterations: int) -> list[float]:
         """Run ``op`` ``iterations`` times, each after a barrier of each of ``groups``; the seconds of each."""
-        out = []
-        for _ in range(iterations):
-            for g in groups:
-                g.barrier()
-            self._synchronize()
-            t0 = time.perf_counter()
-            op()
-            self._synchronize()
-            out.append(time.perf_counter() - t0)
-        return out
+        from disagg.transport.group import timed_ops
+
+        return timed_ops(groups, op, iterations, self.device)
 
     def _raw(self, group: TransportGroup) -> None:
         assert self.manifest is not None and self.flat is not None

@@ -98,8 +98,7 @@ class DisaggWeightTransferEngine(WeightTransferEngine[DisaggInitInfo, DisaggUpda
         rank = init_info.rank_offset + pc.data_parallel_index * pc.world_size + pc.rank
         self.shutdown()
         self.info = init_info
-        self.load_mode = resolve_load_mode(init_info.load, self.device.type,
-                                           getattr(self.vllm_config, "quant_config", None) is not None)
+        self.set_load_mode(init_info.load)
         self.groups = [
             create_group(host=host, port=int(port), rank=rank, world_size=init_info.world_size,
                          backend=init_info.backend, timeout_s=init_info.timeout_s, group_name=name, device=self.device)
@@ -107,6 +106,12 @@ class DisaggWeightTransferEngine(WeightTransferEngine[DisaggInitInfo, DisaggUpda
         ]
         log.info("[rollout] joined %d transport group(s) as rank %d/%d (load %s)", len(self.groups), rank,
                  init_info.world_size, self.load_mode)
+
+    def set_load_mode(self, requested: str) -> str:
+        """Load the next updates as ``requested`` (``transport.load``) resolves for this worker; the mode."""
+        self.load_mode = resolve_load_mode(requested, self.device.type,
+                                           getattr(self.vllm_config, "quant_config", None) is not None)
+        return self.load_mode
 
     def start_weight_update(self) -> None:
         self._reloading = False
@@ -205,10 +210,7 @@ class DisaggWorkerExtension:
 
     def disagg_set_load_mode(self, mode: str) -> str:
         """``disagg bench vllm-sync``: load the next updates with ``mode`` (``transport.load``); the mode resolved."""
-        engine = self.weight_transfer_engine
-        engine.load_mode = resolve_load_mode(mode, engine.device.type,
-                                             getattr(engine.vllm_config, "quant_config", None) is not None)
-        return engine.load_mode
+        return self.weight_transfer_engine.set_load_mode(mode)
 
     def disagg_raw_receive(self, nbytes: int, repeats: int) -> list[float]:
         """``disagg bench vllm-sync``: take part in ``repeats`` raw broadcasts of ``nbytes`` from the trainer

@@ -448,19 +448,25 @@ def _join(prefix: PrefixStore, rank: int, world_size: int, deadline: float, time
                              f"(it gave up or died: {_brief(e)}); missing ranks when last checked: {missing}") from e
 
 
-def timed_raw_broadcasts(group: "TransportGroup", nbytes: int, repeats: int, device: torch.device) -> list[float]:
-    """``repeats`` broadcasts of one flat ``nbytes`` buffer from rank 0 over ``group``, each after a
-    barrier and timed on this rank to its completion on the device: the raw rate a sync over the same
-    group is measured against. Every rank calls it."""
-    buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+def timed_ops(groups: list["TransportGroup"], op, iterations: int, device: torch.device) -> list[float]:
+    """Run ``op`` ``iterations`` times, each after a barrier of each of ``groups``, timed on this rank
+    to its completion on ``device``; the seconds of each. Every rank of the groups calls it."""
     out = []
-    for _ in range(repeats):
-        group.barrier()
+    for _ in range(iterations):
+        for g in groups:
+            g.barrier()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
-        group.broadcast(buf, 0, count_bytes=False)
+        op()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         out.append(time.perf_counter() - t0)
     return out
+
+
+def timed_raw_broadcasts(group: "TransportGroup", nbytes: int, repeats: int, device: torch.device) -> list[float]:
+    """``repeats`` broadcasts of one flat ``nbytes`` buffer from rank 0 over ``group`` (``timed_ops``):
+    the raw rate a sync over the same group is measured against. Every rank calls it."""
+    buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return timed_ops([group], lambda: group.broadcast(buf, 0, count_bytes=False), repeats, device)
