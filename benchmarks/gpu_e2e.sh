@@ -31,8 +31,10 @@ if [ ! -d /tmp/site/vllm ]; then
   cat /tmp/vc/part.* | xz -T8 -dc | tar -x -C /tmp/site || exit 2
 fi
 if [ ! -d /tmp/site/ray ]; then tar -xJf .device/bundle.tar.xz -C /tmp/site || exit 2; fi
-if [ -d .whl ]; then
+# Installed once per wheel: a poll call reinstalling it while a queued run imports it broke that run.
+if [ -d .whl ] && ! cmp -s .whl/disagg-*.whl /tmp/site/.disagg-installed.whl; then
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/disagg-*.whl || exit 2
+  cp .whl/disagg-*.whl /tmp/site/.disagg-installed.whl
 fi
 export PYTHONPATH="/tmp/site:$PWD"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader

@@ -1,13 +1,15 @@
 """Fault points: named places where the fault-injection tests make a process fail for real.
 
 A test arms a point inside the process that should fail (``EngineActor.arm_fault`` does it
-in an engine; ``DISAGG_FAULTS`` in the environment of ``disagg train`` in its driver); when
+in an engine; ``DISAGG_FAULTS`` in the environment of ``disagg train`` in its driver and its
+trainer workers, which get the variable from the driver); when
 the code passes that point ``after`` times, the fault fires: ``exit`` ends the process at once
 (``os._exit``, no cleanup, as a crash or an OOM kill would), ``raise`` raises
 ``FaultInjected``, ``stop`` freezes the process (SIGSTOP to itself: alive, silent, until a
 test kills or continues it). Unarmed points cost one dict lookup.
 
 Points: ``receive_bucket`` (a receiver took one more bucket of a weight sync),
+``send_bucket`` (a trainer rank put one more bucket of a weight sync on the wire),
 ``checkpoint_written`` (the driver wrote a checkpoint).
 """
 
@@ -19,7 +21,7 @@ import signal
 
 log = logging.getLogger("disagg.faults")
 
-POINTS = ("receive_bucket", "checkpoint_written")
+POINTS = ("receive_bucket", "send_bucket", "checkpoint_written")
 ACTIONS = ("exit", "raise", "stop")
 ENV = "DISAGG_FAULTS"  # "point:action:after[,point:action:after...]", read by arm_from_env
 _armed: dict[str, dict] = {}
@@ -41,13 +43,18 @@ def arm(point: str, action: str = "exit", after: int = 1) -> None:
 
 
 def arm_from_env() -> None:
-    """Arm the points ``DISAGG_FAULTS`` names (``disagg train`` calls it in its driver)."""
+    """Arm the points ``DISAGG_FAULTS`` names (``disagg train``'s driver and trainer workers call it)."""
     value = os.environ.get(ENV, "")
     for spec in filter(None, value.split(",")):
         parts = spec.split(":")
         if len(parts) != 3 or not parts[2].isdigit():
             raise ValueError(f"{ENV}={value!r}: each entry is point:action:after, got {spec!r}")
         arm(parts[0], parts[1], int(parts[2]))
+
+
+def env_vars() -> dict[str, str]:
+    """``DISAGG_FAULTS`` as this process has it, for the environment of the actors it starts."""
+    return {ENV: os.environ[ENV]} if os.environ.get(ENV) else {}
 
 
 def hit(point: str) -> None:

@@ -73,6 +73,7 @@ class Job:
         self.rollout: RolloutPool | None = None
         self.transport_epoch = 0
         self.engine_start_s: list[float] = []
+        self._manifest = None  # the trainer's manifest (asked of it at the first sync)
 
     @classmethod
     def start(cls, cfg: Config, run_dir: Path, model_path: Path | str) -> "Job":
@@ -175,13 +176,21 @@ class Job:
     def start_sync(self, policy_version: int, trainer_step: int, from_snapshot: bool = False) -> "PendingSync":
         """Announce ``policy_version`` and start its broadcast; engines keep generating until they
         receive (each pauses its in-flight requests only while it loads). ``finish_sync`` waits.
-        ``from_snapshot``: the trainer sends the copy its step took (``transport.overlap_push``)."""
+        ``from_snapshot``: the trainer sends the copy its step took (``transport.overlap_push``).
+
+        One message per party: the coordinator lives in this process, so the version is announced
+        to it directly, with the trainer's manifest (asked of it once: its layout never changes);
+        each engine is told the layout's digest, and fetches the manifest only when it does not
+        hold that layout yet; the engines' acks come back with their reports (``finish_sync``)."""
         t0 = time.perf_counter()
-        self.trainer.announce(self.control_client(), policy_version, trainer_step)
-        self.coordinator.state.set_trainer_step(trainer_step)
+        if self._manifest is None:
+            self._manifest = self.trainer.manifest(policy_version)
+        manifest = self._manifest.with_version(policy_version)
+        self.coordinator.state.announce_version(manifest, trainer_step)
         pushes = self.trainer.push_weights_async(policy_version, from_snapshot)
-        return PendingSync(policy_version, t0, pushes + self.rollout.receive_weights_async(policy_version), len(pushes),
-                           tuple(self.rollout.engine_ids), from_snapshot=from_snapshot)
+        receives = self.rollout.receive_weights_async(policy_version, digest=manifest.layout_digest(), ack=False)
+        return PendingSync(policy_version, t0, pushes + receives, len(pushes), tuple(self.rollout.engine_ids),
+                           from_snapshot=from_snapshot)
 
     def finish_sync(self, pending: "PendingSync") -> SyncStats:
         """Wait for every party of a started sync; one TransportError naming each failed party."""
@@ -194,10 +203,12 @@ class Job:
         except Exception as e:  # noqa: BLE001 - re-raised as one TransportError naming every failed party
             raise TransportError(f"weight sync of version {policy_version} failed: "
                                  f"{self._sync_failures(refs, names, e)}") from e
+        n = len(self.trainer.workers)
+        for report in outs[n:]:  # every engine serves the version: the coordinator commits it
+            committed = self.coordinator.state.ack_version(report.engine_id, policy_version, report.layout_digest)
         committed = self.coordinator.state.committed_version()
         if committed != policy_version:
             raise TransportError(f"after sync of version {policy_version} the committed version is {committed}")
-        n = len(self.trainer.workers)
         return self.sync_stats(pending, outs[:n], outs[n:])
 
     def sync_stats(self, pending: "PendingSync", sent: list[dict], received: list = ()) -> SyncStats:

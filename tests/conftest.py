@@ -157,24 +157,42 @@ def next_step_held_until(job, condition, timeout_s: float = 300.0):
 
 
 def replay_logprobs(model_path, states: dict[int, dict], prompt: list[int], response: list[int],
-                    versions: list[int], *, recompute: bool = False, device: str = "cpu"):
+                    versions: list[int], *, recompute: bool = False, device: str = "cpu",
+                    engine_dtype=None, rounding: bool = False):
     """Each response token's log-prob under the float32 weights of the version it is tagged with.
 
     ``recompute=False`` (keep mode, vLLM's pause): decode step by step, the KV of earlier tokens
     kept as the weights of their own steps computed it; token t comes out of the step that feeds
     token t-1 (the prompt for t = 0). ``recompute=True`` (resubmit mode): everything before a token
     computed again by that token's weights, one pass per run of a version.
+
+    ``engine_dtype`` (e.g. ``torch.bfloat16``): the weights are first rounded to it, as the engine
+    holds them; the arithmetic stays float32. ``rounding=True`` returns ``(log-probs, bound)``, where
+    ``bound[t]`` is how far rounding the logits to ``engine_dtype`` alone can move token t's log-prob
+    (vLLM computes logits in the model's dtype): half a unit in the last place of the token's logit
+    plus half of the row's largest, so it grows with the logits' magnitude.
     """
     import torch
     from transformers import DynamicCache, Qwen2ForCausalLM
 
     model = Qwen2ForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device).eval()
+    eps = torch.finfo(engine_dtype if engine_dtype is not None else torch.float32).eps  # 2 ** -mantissa bits
 
     def load(v: int) -> None:
-        model.load_state_dict({k: t.float().to(device) for k, t in states[v].items()}, strict=False)
+        cast = (lambda t: t.to(engine_dtype)) if engine_dtype is not None else (lambda t: t)
+        model.load_state_dict({k: cast(t).float().to(device) for k, t in states[v].items()}, strict=False)
         model.tie_weights()
 
+    def ulp(x: torch.Tensor) -> torch.Tensor:
+        return torch.exp2(torch.floor(torch.log2(x.abs().clamp_min(1e-30)))) * eps
+
     out = torch.zeros(len(response))
+    bound = torch.zeros(len(response))
+
+    def take(t: int, logits: torch.Tensor) -> None:
+        out[t] = torch.log_softmax(logits.float(), dim=-1)[response[t]].cpu()
+        bound[t] = ((ulp(logits[response[t]]) + ulp(logits.abs().max())) / 2).cpu()
+
     with torch.no_grad():
         if recompute:
             start = 0
@@ -184,9 +202,8 @@ def replay_logprobs(model_path, states: dict[int, dict], prompt: list[int], resp
                     end += 1
                 load(versions[start])
                 logits = model(input_ids=torch.tensor([prompt + response[:end]], device=device)).logits[0].float()
-                lp = torch.log_softmax(logits, dim=-1).cpu()
                 for t in range(start, end):  # token t is predicted at position len(prompt) + t - 1
-                    out[t] = lp[len(prompt) + t - 1, response[t]]
+                    take(t, logits[len(prompt) + t - 1])
                 start = end
         else:
             cache = DynamicCache()
@@ -196,5 +213,5 @@ def replay_logprobs(model_path, states: dict[int, dict], prompt: list[int], resp
                 feed = prompt if t == 0 else [response[t - 1]]
                 logits = model(input_ids=torch.tensor([feed], device=device), past_key_values=cache,
                                use_cache=True).logits[0, -1]
-                out[t] = torch.log_softmax(logits.float(), dim=-1)[token].cpu()
-    return out
+                take(t, logits.float())
+    return (out, bound) if rounding else out

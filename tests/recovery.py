@@ -79,3 +79,67 @@ def check_recovered(out: dict, timeout_s: float) -> None:
     assert all(r["rollout/prompts_lost"] == 0 and r["rollout/dummy_served"] == 0 for r in records)
     assert all(r["samples/trained_beyond_staleness"] == 0 for r in records)
     assert pipeline.prompts_lost() == 0
+
+
+def buckets_per_sync(overrides: list[str]) -> int:
+    """How many buckets one sync of the job ``disagg train OVERRIDES`` sends (the model built on the
+    meta device, its manifest planned as the trainer plans it)."""
+    from pathlib import Path
+
+    import torch
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from disagg.config import load_config
+    from disagg.model.tiny import build_model
+    from disagg.transport.sync import model_manifest
+
+    configs = Path(__file__).resolve().parents[1] / "configs"
+    with initialize_config_dir(config_dir=str(configs), version_base="1.3"):
+        cfg = load_config(OmegaConf.to_container(compose(config_name="train", overrides=overrides), resolve=True))
+    with torch.device("meta"):
+        model = build_model(cfg.model.tiny, seed=0)
+    return len(model_manifest(model, cfg.transport.bucket_bytes, 0, cfg.transport.dtype).buckets)
+
+
+def trainer_dies_mid_sync_then_resumes(args: list[str], run_dir, timeout_s: float = 900.0) -> dict:
+    """``disagg train ARGS`` (8 steps, a checkpoint every 2) whose trainer process exits in the
+    middle of the weight sync of version 6, the one after step 5, half its buckets sent (the
+    ``send_bucket`` fault point, through ``DISAGG_FAULTS``); then ``disagg train ARGS resume=RUN_DIR``
+    finishes the run from the checkpoint of step 4. Returns both runs' exit codes and stderr and
+    the run's records."""
+    import json
+
+    from disagg import faults
+    from tests.conftest import disagg_process
+
+    args = [*args, "trainer.total_steps=8", "trainer.checkpoint_every=2", f"hydra.run.dir={run_dir}"]
+    per_sync = buckets_per_sync([a for a in args if not a.startswith(("hydra.", "model.cache_dir"))])
+    # Versions 1..5 go out whole (the initial weights, then steps 1-4), then half of version 6.
+    fire_at = 5 * per_sync + max(1, per_sync // 2)
+    first = disagg_process(["train", *args], env={faults.ENV: f"send_bucket:exit:{fire_at}"})
+    _, first_err = first.communicate(timeout=timeout_s)
+    second = disagg_process(["train", *args, f"resume={run_dir}"])
+    _, second_err = second.communicate(timeout=timeout_s)
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    resumes = [json.loads(x) for x in (run_dir / "resume.jsonl").read_text().splitlines()]
+    return {"first_rc": first.returncode, "first_err": first_err, "rc": second.returncode, "err": second_err,
+            "records": records, "resumes": resumes, "buckets_per_sync": per_sync}
+
+
+def check_resumed_after_trainer_death(out: dict) -> None:
+    """What must hold after the trainer died mid-sync and the run was resumed (shared with the GPU test)."""
+    assert out["first_rc"] != 0, out["first_err"][-3000:]
+    # The run ended with the error that says what happened and how to go on, not with a hang.
+    died = [line for line in out["first_err"].splitlines() if "died during" in line and "resume=" in line]
+    assert died, out["first_err"][-3000:]
+    assert "version 6" in died[-1] or "train step" in died[-1], died[-1]
+    assert out["rc"] == 0, out["err"][-4000:]
+    records = out["records"]
+    # One record per step, 1..8, versions continuous: the steps after the checkpoint of step 4 ran again.
+    assert [r["step"] for r in records] == list(range(1, 9)), [r["step"] for r in records]
+    assert [r["policy_version"] for r in records] == list(range(2, 10))
+    assert len(out["resumes"]) == 1 and out["resumes"][0]["step"] == 4, out["resumes"]
+    after = [r for r in records if r["step"] > 4]
+    assert all(r["rollout/prompts_lost"] == 0 and r["rollout/dummy_served"] == 0 for r in after)
+    assert all(r["samples/trained_beyond_staleness"] == 0 for r in after)

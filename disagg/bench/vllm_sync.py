@@ -3,16 +3,23 @@ broadcast of the same bytes over the same group, in one run.
 
 A whole job starts as ``disagg train`` would (coordinator, trainer worker, vLLM engines on dummy
 weights, the transport group), at the shape and cluster its overrides pick. After a first sync
-(dummy -> real weights, not timed), each iteration measures, one after the other:
+(dummy -> real weights, not timed) it measures, in one block per ``--loads`` mode (``--warmup``
+untimed syncs first: a direct load learns its copy plan in the first) and then for the peer:
 
-  raw        one broadcast of the manifest's bytes from the trainer to every engine worker over the
-             job's own transport group (no disagg code on the wire: the rate the hardware gives)
-  <load>     a sync of the next policy version for each ``--loads`` mode (``transport.load``: direct,
-             layerwise), from the announce to every engine serving it (acknowledged) - what the
-             loop waits for - with each phase's seconds as the engine actor and vLLM's worker saw them
+  raw        before each sync, one broadcast of the manifest's bytes from the trainer to every engine
+             worker over the job's own transport group (no disagg code on the wire: the rate the
+             hardware gives)
+  <load>     a sync of the next policy version in that mode (``transport.load``: direct, layerwise),
+             from the announce to every engine serving it (acknowledged) - what the loop waits
+             for - with each phase's seconds as the engine actor and vLLM's worker saw them
+  <peer>     with ``--peer vllm-nccl``: the same bytes into the same engine through vLLM's own NCCL
+             weight-transfer engine (packed, its default 1 GiB x 2 buffers), as its users drive it:
+             the trainer's ``trainer_send_weights`` beside ``AsyncLLM``'s start / update / finish
+             (vLLM's layerwise reload), from the driver's dispatch until both are done
 
 and reports medians: each mode's seconds, raw / sync (the share of the raw rate a sync reaches), the
-fixed cost (sync - raw) and the phases. Nothing here is a timed test.
+fixed cost (sync - raw), the phases, and the peer's seconds against disagg's fastest mode. Nothing
+here is a timed test.
 """
 
 from __future__ import annotations
@@ -33,19 +40,21 @@ from disagg.logs import setup_logging
 log = logging.getLogger("disagg.bench")
 
 PHASES = {  # engine phase key -> what it is (the order of a sync)
-    "manifest_s": "manifest from the coordinator",
+    "manifest_s": "manifest (held by layout digest, else from the coordinator)",
     "quiesce_s": "requests added, aborted or frozen",
-    "start_s": "start_weight_update (RPC; layerwise: nothing yet)",
-    "update_s": "update_weights (RPC: wire + loads)",
-    "finish_s": "finish_weight_update (RPC; layerwise: finalize)",
-    "reset_cache_s": "reset_prefix_cache (RPC)",
+    "update_s": "the call into the worker: start, wire + loads, finish (cache reset beside it)",
+    "rpc_in_s": "  of which: the call reaching the worker (engine core loop)",
+    "rpc_out_s": "  of which: the answer coming back",
+    "reset_cache_s": "reset_prefix_cache, beside the update (from its call)",
     "resume_s": "resume (when paused)",
-    "ack_s": "coordinator ack + worker stats",
+    "ack_s": "coordinator ack (an engine acking itself)",
     "worker_receive_s": "worker: receive loop (wire + loads)",
-    "worker_load_s": "worker: vLLM load_weights calls",
+    "worker_load_s": "worker: loads (copy plan, or vLLM load_weights)",
     "worker_reload_init_s": "worker: initialize_layerwise_reload",
     "worker_finalize_s": "worker: finalize_layerwise_reload",
 }
+SEQUENTIAL = ("manifest_s", "quiesce_s", "update_s", "resume_s", "ack_s")  # the engine actor's, one after another
+PEERS = ("vllm-nccl",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,10 +62,11 @@ class VllmSyncOptions:
     device: str = "auto"  # cpu | cuda | auto
     loads: tuple[str, ...] = ("layerwise",)  # transport.load modes compared (cuda default: direct, layerwise)
     repeats: int = 5
-    warmup: int = 1  # untimed iterations after the first sync
+    warmup: int = 2  # untimed syncs of each mode first (a direct load learns its copy plan in the first)
     run_dir: str = "runs/bench-vllm-sync"
     log_level: str = "WARNING"
     overrides: tuple[str, ...] = ()
+    peer: str | None = None  # vllm-nccl: vLLM's own NCCL weight transfer into the same engine (GPUs)
 
 
 def resolve_options(given: dict[str, Any], gpus: int) -> VllmSyncOptions:
@@ -70,22 +80,32 @@ def resolve_options(given: dict[str, Any], gpus: int) -> VllmSyncOptions:
         raise ValueError(f"--loads: unknown modes {bad} (direct, layerwise)")
     if device == "cpu" and "direct" in loads:
         raise ValueError("--loads direct needs --device cuda (CPU linear layers repack their weights)")
+    if values.get("peer") is not None and values["peer"] not in PEERS:
+        raise ValueError(f"--peer: unknown peer {values['peer']!r} ({', '.join(PEERS)})")
+    if values.get("peer") is not None and device != "cuda":
+        raise ValueError(f"--peer {values['peer']} needs --device cuda (vLLM's NCCL engine)")
     values["loads"] = loads
     overrides = tuple(values.get("overrides", ()))
     values["overrides"] = gpu_overrides(overrides, gpus) if device == "cuda" else overrides
     return VllmSyncOptions(**values)
 
 
-def summarise(raw_s: list[float], syncs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+def summarise(raw_s: list[float], syncs: dict[str, list[dict[str, Any]]],
+              peer_s: list[float] | None = None) -> dict[str, Any]:
     """Medians of the timed iterations: raw seconds, and per load mode its seconds, raw/sync, fixed
-    cost (sync - raw) and each phase's median. Pure."""
+    cost (sync - raw) and each phase's median; the peer's seconds and how many times faster than it
+    disagg's fastest mode is. Pure."""
     raw = statistics.median(raw_s)
     out: dict[str, Any] = {"raw_s": raw, "modes": {}}
+    if peer_s:
+        peer = statistics.median(peer_s)
+        best = min(statistics.median(r["seconds"] for r in runs) for runs in syncs.values())
+        out["peer"] = {"seconds": peer, "raw_vs_peer": raw / peer, "disagg_speedup": peer / best}
     for mode, runs in syncs.items():
         seconds = statistics.median(r["seconds"] for r in runs)
         keys = sorted({k for r in runs for k in r["phases"]}, key=lambda k: list(PHASES).index(k) if k in PHASES else 99)
-        # the driver's share: the announce (gRPC), Ray's dispatch of the calls and the gathering of results
-        driver = [r["seconds"] - sum(v for k, v in r["phases"].items() if not k.startswith("worker_")) for r in runs]
+        # the driver's share: the announce, Ray's dispatch of the calls and the gathering of results
+        driver = [r["seconds"] - sum(r["phases"].get(k, 0.0) for k in SEQUENTIAL) for r in runs]
         out["modes"][mode] = {
             "seconds": seconds, "raw_vs_sync": raw / seconds if seconds > 0 else None, "fixed_s": seconds - raw,
             "send_s": statistics.median(r["send_s"] for r in runs), "driver_s": statistics.median(driver),
@@ -123,28 +143,65 @@ def run(o: VllmSyncOptions) -> dict[str, Any]:
         first = job.sync_weights(version, trainer_step=0)
         nbytes = first.bytes
         report.update(bytes=nbytes, backend=job.backend, engines=len(engines),
-                      engine_workers=job.rollout.num_workers, first_sync_s=first.seconds)
+                      engine_workers=job.rollout.num_workers, first_sync_s=first.seconds,
+                      trainer=f"{cfg.trainer.num_workers} worker(s), float32 weights, no optimizer state (the bench "
+                              f"trains no step; AdamW's state is made at the first); {cfg.transport.dtype or 'float32'} "
+                              "on the wire")
         raw_s: list[float] = []
+        peer_s: list[float] = []
         syncs: dict[str, list[dict[str, Any]]] = {m: [] for m in o.loads}
         resolved = {}
-        for i in range(o.warmup + o.repeats):
+        peer_info = _peer_init(job, cfg) if o.peer else None
+
+        def raw() -> float:
             sides = ray.get([job.trainer.transport_method(0, "raw_send").remote(nbytes, 1)]
                             + [e.raw_receive.remote(nbytes, 1) for e in engines], timeout=cfg.transport.timeout_s + 30)
-            if i >= o.warmup:
-                raw_s.append(max(s[0] for s in sides))
-            for mode in o.loads:
-                resolved[mode] = ray.get([e.set_load_mode.remote(mode) for e in engines], timeout=60)[0]
+            return max(s[0] for s in sides)
+
+        # Each mode in a block of its own (a direct load replays its copy plan from the second sync of
+        # a block on: the first learns it), each timed sync beside a raw broadcast of the same bytes.
+        for mode in o.loads:
+            resolved[mode] = ray.get([e.set_load_mode.remote(mode) for e in engines], timeout=60)[0]
+            for i in range(o.warmup + o.repeats):
+                r = raw()
                 version += 1
                 s = job.sync_weights(version, trainer_step=version - 1)
+                plan = ray.get(engines[0].get_transfer_stats.remote(), timeout=60).get("copy_plan", "")
                 if i >= o.warmup:
-                    syncs[mode].append({"seconds": s.seconds, "send_s": s.send_s, "phases": s.engine_phases})
-            log.warning("iteration %d/%d: raw %.3f s, %s", i + 1, o.warmup + o.repeats, max(s[0] for s in sides),
-                        ", ".join(f"{m} {syncs[m][-1]['seconds']:.3f} s" for m in o.loads if syncs[m]))
-        report.update(summarise(raw_s, syncs), raw_all_s=raw_s, syncs=syncs, resolved_loads=resolved)
+                    raw_s.append(r)
+                    syncs[mode].append({"seconds": s.seconds, "send_s": s.send_s, "phases": s.engine_phases,
+                                        "copy_plan": plan})
+                log.warning("%s %d/%d: raw %.4f s, sync %.4f s (%s)", mode, i + 1, o.warmup + o.repeats, r,
+                            s.seconds, plan or "loader")
+        for i in range(o.warmup + o.repeats if peer_info is not None else 0):
+            r = raw()
+            t0 = time.perf_counter()
+            ray.get([job.trainer.transport_method(0, "peer_send").remote()]
+                    + [e.peer_receive.remote(peer_info) for e in engines], timeout=cfg.transport.timeout_s + 30)
+            if i >= o.warmup:
+                raw_s.append(r)
+                peer_s.append(time.perf_counter() - t0)
+            log.warning("%s %d/%d: raw %.4f s, sync %.4f s", o.peer, i + 1, o.warmup + o.repeats, r,
+                        time.perf_counter() - t0)
+        report.update(summarise(raw_s, syncs, peer_s), raw_all_s=raw_s, syncs=syncs, resolved_loads=resolved,
+                      peer_all_s=peer_s)
     finally:
         job.shutdown()
         ray.shutdown()
     return report
+
+
+def _peer_init(job, cfg) -> dict[str, Any]:
+    """vLLM's own NCCL group between trainer rank 0 and every engine worker; its update info."""
+    import ray
+
+    host, port = job.trainer.transport_endpoint(0)
+    world, tp = 1 + job.rollout.num_workers, cfg.rollout.tensor_parallel_size
+    ray.get([job.trainer.transport_method(0, "peer_init").remote(host, port, world)]
+            + [e.peer_init.remote({"master_address": host, "master_port": port, "rank_offset": 1 + i * tp,
+                                   "world_size": world}) for i, e in enumerate(job.rollout.engines)],
+            timeout=cfg.transport.timeout_s + 30)
+    return ray.get(job.trainer.transport_method(0, "peer_update_info").remote(), timeout=60)
 
 
 def render(report: dict[str, Any]) -> None:
@@ -158,15 +215,23 @@ def render(report: dict[str, Any]) -> None:
     table = Table(title=title)
     for col in ("measured", "seconds", "GB/s", "raw / this"):
         table.add_column(col, justify="left" if col == "measured" else "right")
-    table.add_row("raw broadcast, same group", f"{report['raw_s']:.3f}", f"{gb / report['raw_s']:.2f}", "1.00")
+    table.add_row("raw broadcast, same group", f"{report['raw_s']:.4f}", f"{gb / report['raw_s']:.2f}", "1.00")
     for mode, m in report["modes"].items():
-        table.add_row(f"sync, load={mode}: announce -> serving", f"{m['seconds']:.3f}", f"{gb / m['seconds']:.2f}",
+        table.add_row(f"sync, load={mode}: announce -> serving", f"{m['seconds']:.4f}", f"{gb / m['seconds']:.2f}",
                       f"{m['raw_vs_sync']:.2f}")
-        table.add_row("  fixed cost (sync - raw)", f"{m['fixed_s']:.3f}", "", "")
-        table.add_row("  trainer send", f"{m['send_s']:.3f}", "", "")
-        table.add_row("  driver: announce, Ray dispatch and results", f"{m['driver_s']:.3f}", "", "")
+        table.add_row("  fixed cost (sync - raw)", f"{m['fixed_s']:.4f}", "", "")
+        table.add_row("  trainer send", f"{m['send_s']:.4f}", "", "")
+        table.add_row("  driver: announce, Ray dispatch and results", f"{m['driver_s']:.4f}", "", "")
         for k, v in m["phases"].items():
-            table.add_row(f"  {PHASES.get(k, k)}", f"{v:.3f}", "", "")
+            table.add_row(f"  {PHASES.get(k, k)}", f"{v:.4f}", "", "")
+        plans = sorted({r.get("copy_plan") or "-" for r in report["syncs"][mode]})
+        table.add_row(f"  worker loads by: {', '.join(plans)}", "", "", "")
+    if "peer" in report:
+        p = report["peer"]
+        table.add_row(f"{report['options']['peer']} (vLLM's own engine): same bytes, same engine", f"{p['seconds']:.4f}",
+                      f"{gb / p['seconds']:.2f}", f"{p['raw_vs_peer']:.2f}")
+        table.add_row("  disagg's fastest sync is this many times faster", f"{p['disagg_speedup']:.2f}x", "", "")
+    table.caption = f"trainer: {report.get('trainer', '')}"
     Console().print(table)
 
 
@@ -176,9 +241,11 @@ def main(argv: list[str]) -> int:
     p.add_argument("--loads", default=None, help="transport.load modes to compare, comma-separated "
                    "(default: direct,layerwise on cuda, layerwise on cpu)")
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--run-dir", default="runs/bench-vllm-sync")
     p.add_argument("--log-level", default="WARNING")
+    p.add_argument("--peer", default=None, choices=PEERS,
+                   help="also sync the same bytes into the same engine through this peer (GPUs)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the report as JSON")
     p.add_argument("overrides", nargs="*", metavar="key=value",
                    help="`disagg train` overrides (e.g. shape=qwen2.5-1.5b cluster=gpu)")

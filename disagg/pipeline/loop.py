@@ -305,8 +305,14 @@ class Pipeline:
         """The train step finished: the trainer is on the next version; the step's sync is queued."""
         import ray
 
+        from disagg.errors import RolloutError
+
         record = self.training
-        record.train = self.job.trainer.summarise(ray.get(self.train_refs))
+        try:
+            record.train = self.job.trainer.summarise(ray.get(self.train_refs))
+        except ray.exceptions.RayActorError as e:
+            raise RolloutError(f"a trainer worker died during train step {record.step}: {brief(e)}; continue from "
+                               f"the last checkpoint with `disagg train resume={self.job.run_dir}`") from e
         record.t_train_done = time.perf_counter()
         self.recorder.trained(record.t_train_done)
         self._seen_done.difference_update(self.train_refs)
@@ -318,7 +324,7 @@ class Pipeline:
     def _on_synced(self, state) -> None:
         """A sync ended: engines serve its version; its step's metrics are made and published."""
         self._seen_done.difference_update(self.sync.refs())
-        finished = self.sync.finish(self.step)
+        finished = self.sync.finish(self.step, self.version if self.training is None else None)
         if finished is None:  # sent again on a rebuilt group
             return
         sync, done = finished

@@ -109,11 +109,12 @@ class SyncController:
     def done(self, ready: list) -> bool:
         return self.pending is not None and all(r in ready or is_done(r) for r in self.pending.refs)
 
-    def finish(self, step: int):
+    def finish(self, step: int, trainer_holds: int | None):
         """The pending sync ended: (its SyncStats, its step's record), or None when it failed and is to
-        be sent again (``start_queued``, on a rebuilt group; for step ``step`` if it carried none)."""
+        be sent again (``start_queued``, on a rebuilt group; for step ``step`` if it carried none).
+        ``trainer_holds``: the version the trainer's live weights hold (None while a step changes them)."""
         pending = self.pending
-        sync = self._finish(pending)
+        sync = self._finish(pending, trainer_holds)
         if sync is None:  # failed before the trainer's side was through: again, on a rebuilt group
             self.retry = (pending.policy_version, self.record.step if self.record else step, self.record)
             self.pending, self.record = None, None
@@ -121,7 +122,7 @@ class SyncController:
         record, self.pending, self.record = self.record, None, None
         return sync, record
 
-    def _finish(self, pending):
+    def _finish(self, pending, trainer_holds: int | None):
         """``Job.finish_sync``, surviving failed parties; where a sync retry is decided."""
         import ray
 
@@ -140,32 +141,50 @@ class SyncController:
         self.state.record_event("sync_failed", f"version {v}: {str(err)[:600]}")
         pushed = True
         for rank, ref in enumerate(pending.trainer_refs):
-            try:
-                ray.get(ref, timeout=0)
-            except ray.exceptions.RayActorError as e:
-                raise RolloutError(f"trainer rank {rank} died during the sync of version {v}; continue from the last "
-                                   "checkpoint with `disagg train resume=<run_dir>`") from e
-            except Exception:  # noqa: BLE001 - the sync is sent again
-                pushed = False
+            if isinstance(e := self._outcome(ref), ray.exceptions.RayActorError):
+                raise RolloutError(f"trainer rank {rank} died during the sync of version {v}: {brief(e)}; continue "
+                                   f"from the last checkpoint with `disagg train resume={self.job.run_dir}`") from e
+            pushed = pushed and e is None  # else the sync is sent again
         for eid, ref in pending.engine_refs.items():
-            if eid in self.fleet.died:
+            if eid in self.fleet.died or (e := self._outcome(ref)) is None:
                 continue
-            try:
-                ray.get(ref, timeout=0)
-            except ray.exceptions.RayActorError as e:
+            if isinstance(e, ray.exceptions.RayActorError):
                 self.fleet.died_now(eid, f"died during the sync of version {v}: {brief(e)}")
-            except Exception as e:  # noqa: BLE001
-                if pushed:
-                    self.fleet.died_now(eid, f"its receive of version {v} failed after the trainer sent all of "
-                                        f"it ({brief(e)}): its weights are incomplete")
-                elif (why := self.fleet.failure(eid, e)) is not None:
-                    self.fleet.died_now(eid, f"failed during the sync of version {v}: {why}")
+            elif pushed:
+                self.fleet.died_now(eid, f"its receive of version {v} failed after the trainer sent all of "
+                                    f"it ({brief(e)}): its weights are incomplete")
+            elif (why := self.fleet.failure(eid, e)) is not None:
+                self.fleet.died_now(eid, f"failed during the sync of version {v}: {why}")
         if self.failed > self.cfg.transport.max_sync_retries:
             raise RolloutError(f"the weight sync of version {v} failed {self.failed} times in a row "
                                f"(transport.max_sync_retries={self.cfg.transport.max_sync_retries}): {err}") from err
-        if pushed:
+        if pushed and self._delivered(pending, v, trainer_holds):
             self.failed = 0
             return self.job.sync_stats(pending, ray.get(pending.trainer_refs))
         self.fate["sync_retries"] += 1
         self.state.record_event("sync_retried", f"version {v} is sent again on a rebuilt transport group")
         return None
+
+    @staticmethod
+    def _outcome(ref) -> BaseException | None:
+        """How a finished party's call of a sync ended: None, or what it raised."""
+        import ray
+
+        try:
+            ray.get(ref, timeout=0)
+        except Exception as e:  # noqa: BLE001 - the caller decides what each failure means
+            return e
+        return None
+
+    def _delivered(self, pending, v: int, trainer_holds: int | None) -> bool:
+        """A sync the trainer sent all of counts as done if an engine received it whole. If none did
+        (NCCL lets the sender finish into its peers' buffers after the only receiver died; gloo would
+        have failed the send), it is sent again to the replacements, as when the send failed, while the
+        trainer still has that version: its snapshot, or its live weights not yet trained further."""
+        if any(eid not in self.fleet.died for eid in pending.engine_refs):
+            return True
+        if v in self.snapshots or trainer_holds == v:
+            return False
+        self.state.record_event("sync_superseded", f"version {v} reached no engine and the trainer has trained "
+                                "past it: the replacements join with the next version")
+        return True

@@ -103,6 +103,9 @@ class EngineActor:
         self._live: set[str] = set()  # resubmit mode: this actor's request ids in vLLM
         self._aborted_by_sync: set[str] = set()  # ... of those, the ones a sync aborted (to continue)
         self._engine = None
+        self._manifest = None  # the last manifest received (a sync of the same layout may name it by digest)
+        self._worker_layout: str | None = None  # the layout digest vLLM's worker holds the manifest of
+        self._http_at_reset = 0  # stats["http_requests"] when vLLM's prefix cache was last reset
         self._coord = None
         self._registered = False
         # gRPC to the coordinator from one thread, in order: state reports need no wait (the
@@ -251,46 +254,57 @@ class EngineActor:
                     load=self.transport_cfg.load)
         await self._engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info))
 
-    async def receive_weights(self, policy_version: int, manifest: dict | None = None) -> SyncReport:
+    async def receive_weights(self, policy_version: int, manifest: dict | None = None, digest: str | None = None,
+                              ack: bool = True) -> SyncReport:
         """Take ``policy_version`` off the wire (concurrently with the trainer's send).
 
-        The manifest is fetched from the coordinator unless given. New requests wait
-        until the load is done; requests in flight are frozen (vLLM's pause keep) and
-        continue on the new weights. An engine with nothing in flight loads without
-        pausing vLLM: a pause and resume cost two round trips to the engine core, on
-        every step's critical path. The prefix cache is cleared so no KV from the old
-        weights is reused, and the version is acknowledged.
+        The manifest: ``manifest`` if given, else the one this engine holds when its layout digest is
+        ``digest``, else the coordinator's. New requests wait until the load is done; requests in
+        flight are frozen (vLLM's pause keep) or resubmitted, and continue on the new weights. An
+        engine with nothing in flight loads without pausing vLLM: a pause and resume cost two round
+        trips to the engine core, on every step's critical path. No KV the old weights computed is
+        reused: this actor's requests are salted by version, and vLLM's prefix cache is cleared when
+        requests through the OpenAI server (not salted) came since it last was. ``ack``: tell the
+        coordinator this engine serves the
+        version (a driver in the coordinator's process acks from the report instead, sparing a call).
         """
         t0 = time.perf_counter()
         phases: dict[str, float] = {}
         self._not_loading.clear()  # before the first await: a request arriving from now on waits
         try:
-            m, recv_s = await self._load(policy_version, manifest, phases)
+            m, recv_s, stats = await self._load(policy_version, manifest, digest, phases)
         finally:
             self._not_loading.set()
         self._report_state("READY")
-        t1 = time.perf_counter()
-        acked = (self._control_call(self._coord.ack_version, self.engine_id, policy_version, m.layout_digest())
-                 if self._coord is not None else None)
-        stats = await self.get_transfer_stats()
-        if acked is not None:
-            await acked
-        phases["ack_s"] = time.perf_counter() - t1
-        for key in ("load_s", "reload_init_s", "finalize_s"):  # the worker's own split of update/finish
+        if ack and self._coord is not None:
+            t1 = time.perf_counter()
+            await self._control_call(self._coord.ack_version, self.engine_id, policy_version, m.layout_digest())
+            phases["ack_s"] = time.perf_counter() - t1
+        for key in ("load_s", "reload_init_s", "finalize_s"):  # the worker's own split of the update
             if key in stats:
                 phases[f"worker_{key}"] = float(stats[key])
         if "seconds" in stats:
             phases["worker_receive_s"] = float(stats["seconds"])
         return SyncReport(self.engine_id, policy_version, int(stats.get("bytes", 0)), int(stats.get("num_buckets", 0)),
-                          int(stats.get("num_tensors", 0)), recv_s, time.perf_counter() - t0, phases)
+                          int(stats.get("num_tensors", 0)), recv_s, time.perf_counter() - t0, phases,
+                          m.layout_digest(), str(stats.get("copy_plan", "")))
 
-    async def _load(self, policy_version: int, manifest: dict | None, phases: dict[str, float]):
-        """``receive_weights`` behind the closed gate: (the manifest, seconds on the wire); the seconds of
-        each phase go into ``phases``."""
-        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
-
+    async def _manifest_for(self, policy_version: int, manifest: dict | None, digest: str | None):
         from disagg.transport.manifest import Manifest
 
+        if manifest is not None:
+            self._manifest = Manifest.from_dict(manifest)
+        elif self._manifest is not None and digest == self._manifest.layout_digest():
+            self._manifest = self._manifest.with_version(policy_version)
+        elif self._coord is None:
+            raise RolloutError("receive_weights without a manifest needs a coordinator")
+        else:
+            self._manifest = await self._control_call(self._coord.get_manifest, policy_version)
+        return self._manifest
+
+    async def _load(self, policy_version: int, manifest: dict | None, digest: str | None, phases: dict[str, float]):
+        """``receive_weights`` behind the closed gate: (the manifest, seconds on the wire, the worker's
+        figures); the seconds of each phase go into ``phases``."""
         t = time.perf_counter()
 
         def lap(name: str) -> None:
@@ -299,12 +313,7 @@ class EngineActor:
             phases[name] = phases.get(name, 0.0) + now - t
             t = now
 
-        if manifest is None:
-            if self._coord is None:
-                raise RolloutError("receive_weights without a manifest needs a coordinator")
-            m = await self._control_call(self._coord.get_manifest, policy_version)
-        else:
-            m = Manifest.from_dict(manifest)
+        m = await self._manifest_for(policy_version, manifest, digest)
         lap("manifest_s")
         self._report_state("SYNCING")
         eng = self._engine
@@ -325,22 +334,46 @@ class EngineActor:
             self._paused = True
             self.stats["pauses"] += 1
         lap("quiesce_s")  # requests added, aborted (resubmit) or frozen (keep)
+        # The worker gets the manifest only when its layout is new to it.
+        key = m.layout_digest()
+        info = ({"digest": key, "policy_version": policy_version} if key == self._worker_layout
+                else {"manifest": m.to_dict()})
+        self._worker_layout = None  # until this update went through
         try:
-            await eng.start_weight_update()
-            lap("start_s")
-            await eng.update_weights(WeightTransferUpdateRequest(update_info={"manifest": m.to_dict()}))
+            # The cache reset, where one is needed, is queued in the engine core ahead of the update,
+            # which blocks its loop: no step runs between the two (nothing is in flight, or it is
+            # paused), so no block the old weights computed survives.
+            called = time.time()
+
+            async def reset_cache() -> bool:
+                # Only a request through the OpenAI server can meet blocks another version computed:
+                # this actor's own requests are salted by version. vLLM's reset walks every KV block
+                # in Python (0.1 s on an 80 GB card with a small model), so it runs only when such a
+                # request came since the last one.
+                if self.stats["http_requests"] == self._http_at_reset:
+                    return True
+                self._http_at_reset = self.stats["http_requests"]
+                out = await eng.reset_prefix_cache()
+                phases["reset_cache_s"] = time.time() - called  # beside the update, not after it
+                return out
+
+            reset, stats = await asyncio.gather(reset_cache(), vllm_api.sync_weights(eng, info, policy_version))
+            returned = time.time()
             recv_s = time.perf_counter() - t
             lap("update_s")
-            await vllm_api.finish_weight_update(eng, policy_version)
-            lap("finish_s")
-            if await eng.reset_prefix_cache() is False:  # blocks still held (requests frozen in keep mode)
+            # The update call's ends, as the worker stamped them: getting into the worker (the engine
+            # core's loop picking the call up) and the answer coming back.
+            if "entered_unix_s" in stats:
+                phases["rpc_in_s"] = max(0.0, stats["entered_unix_s"] - called)
+                phases["rpc_out_s"] = max(0.0, returned - stats["left_unix_s"])
+            if reset is False:  # blocks still held (requests frozen in keep mode)
                 log.info("version %d: vLLM kept its prefix cache (blocks in use); requests are salted by "
                          "version, so none reuses another version's KV", policy_version)
-            lap("reset_cache_s")
         except BaseException as e:
             rejected = (await self.get_transfer_stats()).get("rejected") if self._engine is not None else None
             if rejected and self._weights_loaded.is_set():
                 # Checksums failed before anything was loaded: the previous version is intact.
+                self._worker_layout = key
                 await self._resume()
                 await self._report_state("READY", f"rejected version {policy_version}: {rejected}"[:500])
                 raise ChecksumError(f"engine {self.engine_id}: {rejected}") from e
@@ -349,11 +382,12 @@ class EngineActor:
             self._weights_loaded.clear()
             await self._report_state("WAITING_FOR_WEIGHTS", f"sync of version {policy_version} failed: {e}"[:500])
             raise
+        self._worker_layout = key
         self.version = policy_version  # before resuming: every token from here on is this version's
         self._weights_loaded.set()
         await self._resume()
         lap("resume_s")
-        return m, recv_s
+        return m, recv_s, stats
 
     async def _resume(self) -> None:
         if self._paused:
@@ -526,6 +560,27 @@ class EngineActor:
     async def set_load_mode(self, mode: str) -> str:
         """``disagg bench vllm-sync``: load the next versions with ``mode`` (``transport.load``)."""
         return (await self._engine.collective_rpc("disagg_set_load_mode", args=(mode,)))[0]
+
+    async def param_checksums(self) -> dict[str, list[int]]:
+        """Worker 0's bit checksum of each vLLM parameter (``disagg_param_checksums``)."""
+        return (await self._engine.collective_rpc("disagg_param_checksums"))[0]
+
+    async def peer_init(self, init_info: dict[str, Any]) -> None:
+        """``disagg bench vllm-sync --peer vllm-nccl``: vLLM's own NCCL engine joins a group with the trainer."""
+        await self._engine.collective_rpc("disagg_peer_init", args=(init_info,))
+
+    async def peer_receive(self, update_info: dict[str, Any]) -> None:
+        """A weight update through vLLM's own NCCL engine, as its users make one: ``AsyncLLM``'s start,
+        update and finish (each a call into the worker; vLLM's layerwise reload)."""
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        await self._engine.collective_rpc("disagg_peer_use", args=("vllm-nccl",))
+        try:
+            await self._engine.start_weight_update()
+            await self._engine.update_weights(WeightTransferUpdateRequest(update_info=update_info))
+            await self._engine.finish_weight_update()
+        finally:
+            await self._engine.collective_rpc("disagg_peer_use", args=("disagg",))
 
     async def raw_receive(self, nbytes: int, repeats: int) -> list[float]:
         """``disagg bench vllm-sync``: the worker's side of ``repeats`` raw broadcasts of ``nbytes``."""

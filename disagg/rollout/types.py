@@ -90,6 +90,9 @@ class SyncReport:
     receive_s: float
     total_s: float
     phases: dict[str, float] = field(default_factory=dict)
-    """Seconds of each phase: the actor's (manifest_s, quiesce_s, start_s, update_s, finish_s,
-    reset_cache_s, resume_s, ack_s) and the worker's split of update and finish (worker_receive_s:
-    wire and loads, worker_load_s: loads, worker_reload_init_s, worker_finalize_s)."""
+    """Seconds of each phase: the actor's (manifest_s, quiesce_s, update_s: the one call into the
+    worker with the prefix-cache reset beside it, resume_s, ack_s where the engine acks itself) and
+    the worker's split of it (worker_receive_s: wire and loads, worker_load_s: loads,
+    worker_reload_init_s, worker_finalize_s)."""
+    layout_digest: str = ""  # the manifest's layout, for the coordinator's ack
+    copy_plan: str = ""  # direct loads: "learned" (vLLM's loader, recorded), "replayed", "loader"; else ""

@@ -11,7 +11,8 @@ OpenAI server and the weight-transfer backend call the functions here:
   ``weight_versions`` spans of a ``CompletionOutput``); 0.26 has neither. Without
   labels the engine actor resubmits its requests at each sync, so that each piece
   of a response comes from one known version (``rollout.in_flight_at_sync``).
-- ``finish_weight_update(weight_version=...)`` (0.32) or ``finish_weight_update()``.
+- ``AsyncLLM.update_weight_version`` (0.32) labels the tokens of a new version; a sync sets it after
+  its one call into the worker (``sync_weights``), and 0.26 has nothing to set.
 - ``AsyncLLM.get_num_unfinished_requests`` (0.32) or its output processor's (0.26).
 - The OpenAI app's builders: ``vllm.entrypoints.launchers`` (0.32) or
   ``vllm.entrypoints.openai`` (0.26).
@@ -79,13 +80,14 @@ async def set_served_version(engine, policy_version: int) -> None:
         await engine.update_weight_version(str(policy_version))
 
 
-async def finish_weight_update(engine, policy_version: int) -> None:
-    """End a weight update; where vLLM labels tokens, the new ones carry ``policy_version``."""
-    if "weight_version" in inspect.signature(engine.finish_weight_update).parameters:
-        await engine.finish_weight_update(weight_version=str(policy_version))
-    else:
-        await engine.finish_weight_update()
-        await set_served_version(engine, policy_version)
+async def sync_weights(engine, update_info: dict[str, Any], policy_version: int) -> dict[str, Any]:
+    """One weight update as one call into the worker: the disagg backend's ``disagg_sync`` runs vLLM's
+    own start, update and finish there (one engine-core round trip where ``AsyncLLM``'s methods take
+    three). Where vLLM labels tokens, the label moves to ``policy_version`` once it succeeded. Returns
+    the worker's figures of the receive."""
+    stats = (await engine.collective_rpc("disagg_sync", args=(update_info,)))[0]
+    await set_served_version(engine, policy_version)
+    return stats
 
 
 async def served_weight_version(engine) -> str | None:

@@ -13,10 +13,17 @@ same unpacking as every other receiver - and loads in one of two ways
   afresh, loaded, post-processed (CPU linear layers repack their weights, quantised
   layers re-quantise) and copied into the storage the kernels and CUDA graphs point
   at. Needed on CPU and for quantised models.
-- ``direct``: ``model.load_weights`` into the live parameters (vLLM's own loaders
-  fuse qkv / gate_up and shard for TP, copying in place). No second copy of the
-  weights and no per-layer materialisation; only for unquantised models on GPUs,
-  where the loaded tensors are the ones the kernels read. ``auto`` picks it there.
+- ``direct``: into the live parameters (vLLM's own loaders fuse qkv / gate_up and
+  shard for TP, copying in place). No second copy of the weights and no per-layer
+  materialisation; only for unquantised models on GPUs, where the loaded tensors
+  are the ones the kernels read. ``auto`` picks it there. The first sync of a layout
+  calls ``model.load_weights`` and learns from it where each received tensor lands
+  (``disagg.transport.copyplan``); later syncs replay that as one fused copy per
+  bucket, straight from the receive buffer, while the next bucket is on the wire.
+
+A sync is one call into the worker (``DisaggWorkerExtension.disagg_sync``: start,
+update and finish, returning the receive's figures), and the manifest crosses into
+the worker only when its layout changes (the worker keeps it by layout digest).
 
 Each update records where its time went (``last_stats``: wire, load, reload set-up
 and finalisation) for the engine's sync report.
@@ -35,6 +42,7 @@ import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
 
 from disagg.errors import ChecksumError
+from disagg.transport.copyplan import CopyPlan, Recorded, learn
 from disagg.transport.group import create_group, timed_raw_broadcasts
 from disagg.transport.manifest import Manifest
 from disagg.transport.sync import receive_model
@@ -69,7 +77,9 @@ def resolve_load_mode(requested: str, device_type: str, quantized: bool) -> str:
 
 @dataclass
 class DisaggUpdateInfo(WeightTransferUpdateInfo):
-    manifest: dict
+    manifest: dict | None = None  # the whole manifest; None: the one this worker holds, at ``policy_version``
+    digest: str = ""  # the layout digest of the manifest meant (checked against the one held)
+    policy_version: int = 0
 
 
 class DisaggWeightTransferEngine(WeightTransferEngine[DisaggInitInfo, DisaggUpdateInfo]):
@@ -92,6 +102,14 @@ class DisaggWeightTransferEngine(WeightTransferEngine[DisaggInitInfo, DisaggUpda
         self._reloading = False
         self.load_mode = "layerwise"
         self._times: dict[str, float] = {}
+        self._manifest: Manifest | None = None  # the last layout received (the update info may omit it)
+        # direct loads: (layout digest, where the parameters live) -> the copy plan its first sync
+        # learned (None: the loader cannot be replayed); the copies learned so far in the sync that
+        # is learning one. A reload that moves parameters makes another key: the plan is learned again.
+        self._plans: dict[tuple, CopyPlan | None] = {}
+        self._learning: Recorded | None = None
+        self._plan_key: tuple | None = None
+        self._plan_note = ""
 
     def init_transfer_engine(self, init_info: DisaggInitInfo) -> None:
         pc = self.parallel_config
@@ -120,9 +138,9 @@ class DisaggWeightTransferEngine(WeightTransferEngine[DisaggInitInfo, DisaggUpda
     def _load(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
         t0 = time.perf_counter()
         if self.load_mode == "direct":
-            # vLLM's loaders copy into the live parameters before returning: views of the
-            # receive buffer need no copy of their own.
-            self.model.load_weights(tensors)
+            # Copies into the live parameters are made before this returns (on the stream, before
+            # the next receive into this buffer): views of the receive buffer need no copy of their own.
+            self._load_direct(tensors)
         else:
             if not self._reloading:
                 from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -138,23 +156,64 @@ class DisaggWeightTransferEngine(WeightTransferEngine[DisaggInitInfo, DisaggUpda
             self.model.load_weights([(n, t.clone() if t._base is not None else t) for n, t in tensors])
         self._times["load_s"] = self._times.get("load_s", 0.0) + time.perf_counter() - t0
 
+    def _load_direct(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """Replay the layout's copy plan; without one, vLLM's ``load_weights``, learning the plan."""
+        key = self._plan_key
+        plan = self._plans.get(key)
+        if plan is not None:
+            plan.apply(tensors)
+            self._plan_note = "replayed"
+        elif key in self._plans or self._learning is None:  # the loader cannot be replayed
+            self.model.load_weights(tensors)
+        else:
+            recorded, why = learn(self.model.load_weights, tensors, [*self.model.parameters(), *self.model.buffers()])
+            if why is None:
+                self._learning.update(recorded)
+            else:
+                log.warning("[rollout] direct loads stay with vLLM's load_weights, whose work is more than "
+                            "copies to replay: %s", why)
+                self._learning, self._plans[key], self._plan_note = None, None, "loader"
+
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # The base class ends with torch.accelerator.synchronize(), which raises on
         # a machine with no accelerator; our receive synchronises the stream itself.
         self.receive_weights(self.parse_update_info(update_info))
 
+    def _manifest_for(self, info: DisaggUpdateInfo) -> Manifest:
+        if info.manifest is not None:
+            self._manifest = Manifest.from_dict(info.manifest)
+        elif self._manifest is None or self._manifest.layout_digest() != info.digest:
+            held = self._manifest.layout_digest() if self._manifest is not None else None
+            raise RuntimeError(f"disagg weight transfer: update without a manifest for layout {info.digest!r}, "
+                               f"this worker holds {held!r}")
+        else:
+            self._manifest = self._manifest.with_version(info.policy_version)
+        return self._manifest
+
     def receive_weights(self, update_info: DisaggUpdateInfo) -> None:
         if not self.groups or self.info is None:
             raise RuntimeError("disagg weight transfer: init_weight_transfer_engine was never called")
-        manifest = Manifest.from_dict(update_info.manifest)
+        manifest = self._manifest_for(update_info)
+        digest = manifest.layout_digest()
         self.last_stats = {"policy_version": manifest.policy_version, "rejected": None, "load_mode": self.load_mode}
+        self._plan_key = None
+        if self.load_mode == "direct":
+            # where every parameter's memory lives now (a few hundred pointers: microseconds)
+            self._plan_key = (digest, tuple(p.untyped_storage().data_ptr() for p in self.model.parameters()))
+            if len(self._plans) > 4 and self._plan_key not in self._plans:
+                self._plans.clear()
+        learning = self.load_mode == "direct" and self._plan_key not in self._plans
+        self._learning = Recorded({}, {}) if learning else None
+        self._plan_note = "learned" if learning else ("loader" if self.load_mode == "direct" else "")
         try:
             stats = receive_model(self.groups, manifest, self._load, device=self.device, source=self.info.source,
                                   num_buffers=self.info.num_buffers, verify=self.info.verify)
         except ChecksumError as e:
             self.last_stats["rejected"] = str(e)
+            self._learning = None
             raise
         except BaseException:
+            self._learning = None
             # A broken broadcast leaves vLLM's layerwise reload half done (some layers on the meta
             # device): finish it, so the model is whole again - part old, part new weights, never
             # served (the engine's gate stays closed) - and the next sync can reload it.
@@ -164,8 +223,13 @@ class DisaggWeightTransferEngine(WeightTransferEngine[DisaggInitInfo, DisaggUpda
                 except Exception as e:  # noqa: BLE001 - the receive's own error is the one raised
                     log.error("[rollout] could not finish the interrupted weight reload: %s", e)
             raise
+        if self._learning is not None:  # the whole version went through vLLM's loader, each copy recorded
+            self._plans[self._plan_key] = CopyPlan(self._learning)
+            self._learning = None
+            log.info("[rollout] direct loads replay %d copies learned from vLLM's load_weights",
+                     self._plans[self._plan_key].num_copies)
         self.last_stats.update(bytes=stats.bytes, seconds=stats.seconds, num_buckets=stats.num_buckets,
-                               num_tensors=stats.num_tensors, **self._times)
+                               num_tensors=stats.num_tensors, copy_plan=self._plan_note, **self._times)
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
@@ -208,9 +272,41 @@ class DisaggWorkerExtension:
         engine = getattr(self, "weight_transfer_engine", None)
         return dict(engine.last_stats) if engine is not None else {}
 
+    def disagg_sync(self, update_info: dict[str, Any]) -> dict[str, Any]:
+        """One weight update in one call from the engine actor: vLLM's start, update and finish (the
+        worker's own methods, as ``AsyncLLM`` calls them one round trip each); the receive's figures."""
+        entered = time.time()
+        self.start_weight_update()
+        self.update_weights(update_info)
+        self.finish_weight_update()
+        return dict(self.weight_transfer_engine.last_stats, entered_unix_s=entered, left_unix_s=time.time())
+
     def disagg_set_load_mode(self, mode: str) -> str:
         """``disagg bench vllm-sync``: load the next updates with ``mode`` (``transport.load``); the mode resolved."""
         return self.weight_transfer_engine.set_load_mode(mode)
+
+    def disagg_param_checksums(self) -> dict[str, list[int]]:
+        """Each vLLM parameter's bit checksum (``bucket_checksum``): the test that a sync left every
+        parameter equal to the trainer's, bit for bit, without moving the weights anywhere."""
+        from disagg.transport.buckets import bucket_checksum
+
+        model = self.weight_transfer_engine.model
+        return {name: bucket_checksum(p.detach().reshape(-1)).tolist() for name, p in model.named_parameters()}
+
+    def disagg_peer_init(self, init_info: dict[str, Any]) -> None:
+        """``disagg bench vllm-sync --peer vllm-nccl``: join a group with the trainer through vLLM's own
+        NCCL weight-transfer engine, kept beside disagg's (``disagg_peer_use`` swaps them)."""
+        from vllm.config.weight_transfer import WeightTransferConfig
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
+
+        ours = self.weight_transfer_engine
+        peer = NCCLWeightTransferEngine(WeightTransferConfig(backend="nccl"), ours.vllm_config, ours.device, ours.model)
+        peer.init_transfer_engine(peer.parse_init_info(init_info))
+        self._disagg_engines = {"disagg": ours, "vllm-nccl": peer}
+
+    def disagg_peer_use(self, name: str) -> None:
+        """The weight-transfer engine vLLM's start / update / finish calls go to: "disagg" or "vllm-nccl"."""
+        self.weight_transfer_engine = self._disagg_engines[name]
 
     def disagg_raw_receive(self, nbytes: int, repeats: int) -> list[float]:
         """``disagg bench vllm-sync``: take part in ``repeats`` raw broadcasts of ``nbytes`` from the trainer
@@ -220,3 +316,20 @@ class DisaggWorkerExtension:
             raise RuntimeError("disagg_raw_receive: the worker has not joined a transport group")
         return timed_raw_broadcasts(engine.groups[0], nbytes, repeats, engine.device)
 
+
+
+def peer_trainer_init(host: str, port: int, world_size: int):
+    """``disagg bench vllm-sync --peer vllm-nccl``, the trainer's side: vLLM's own NCCL group (rank 0)."""
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
+
+    return NCCLWeightTransferEngine.trainer_init({"master_address": host, "master_port": port, "world_size": world_size})
+
+
+def peer_trainer_send(group, named_tensors, dtype: torch.dtype) -> None:
+    """Send ``named_tensors`` cast to ``dtype`` as vLLM's own NCCL engine does (packed, its default buffers)."""
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerSendWeightsArgs, NCCLWeightTransferEngine
+
+    NCCLWeightTransferEngine.trainer_send_weights(
+        iter(named_tensors), NCCLTrainerSendWeightsArgs(group=group, packed=True,
+                                                        post_iter_func=lambda item: item[1].to(dtype)))
+    torch.cuda.synchronize()  # vLLM's producer returns with its last broadcast in flight on a stream of its own

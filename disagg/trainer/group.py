@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from disagg import faults
 from disagg.cluster import bundle_order
 from disagg.config import Config
 from disagg.logs import ray_get_logged
@@ -36,12 +37,14 @@ class TrainerGroup:
         cls = ray.remote(concurrency_groups={"transport": 1})(TrainerWorker) if self.overlap_push else ray.remote(
             TrainerWorker)
         bundle = bundle_order(pg)  # rank i on bundle[i]: ranks ordered by node, then device
+        env = faults.env_vars()  # fault-injection tests arm the workers' points through the driver's environment
         self.workers = [
             cls.options(
                 num_cpus=cfg.trainer.cpus_per_worker,
                 num_gpus=cfg.trainer.gpus_per_worker if device == "cuda" else 0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle[i]),
                 name=None,
+                **({"runtime_env": {"env_vars": env}} if env else {}),
             ).remote(i, n, model_path, cfg.trainer, cfg.algorithm, cfg.transport, cfg.rollout.temperature, device,
                      cfg.logging.level, cfg.model.cache_dir)
             for i in range(n)
@@ -114,6 +117,13 @@ class TrainerGroup:
         ref = self.transport_method(0, "announce").remote(coordinator, policy_version, trainer_step,
                                                           self.cfg.control.rpc_timeout_s)
         return self._get(ref, f"announce of version {policy_version}")
+
+    def manifest(self, policy_version: int):
+        """The full-tensor ``Manifest`` rank 0 sends (its layout is fixed for the trainer's lifetime)."""
+        from disagg.transport.manifest import Manifest
+
+        return Manifest.from_dict(self._get(self.transport_method(0, "manifest").remote(policy_version),
+                                            f"manifest of version {policy_version}"))
 
     def save_checkpoint(self, path: str) -> str:
         """Every worker writes its part of a checkpoint under ``path`` (see TrainerWorker.save_checkpoint)."""

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from disagg import faults
 from disagg.cluster import freeze_heap, pin_process
 from disagg.config import AlgorithmConfig, TrainerConfig, TransportConfig
 from disagg.logs import setup_logging
@@ -39,6 +40,7 @@ class TrainerWorker:
                  transport: TransportConfig, temperature: float, device: str, log_level: str = "INFO",
                  cache_dir: str = "~/.cache/disagg"):
         setup_logging(f"trainer:{rank}", log_level)
+        faults.arm_from_env()
         self.rank, self.world_size = rank, world_size
         self.model_path = model_path  # a local directory, or a checkpoint at an fsspec URL (copied in setup)
         self.cache_dir = cache_dir  # model.cache_dir: this node's copies of checkpoints at URLs
@@ -395,6 +397,31 @@ class TrainerWorker:
         if self.group is None:
             raise RuntimeError("raw_send: this trainer rank has no transport group (init_transport first)")
         return timed_raw_broadcasts(self.group, nbytes, repeats, self.device)
+
+    def peer_init(self, host: str, port: int, world_size: int) -> None:
+        """``disagg bench vllm-sync --peer vllm-nccl``: vLLM's own NCCL group with the engines (rank 0)."""
+        from disagg.rollout.vllm_transfer import peer_trainer_init
+
+        self._peer = peer_trainer_init(host, port, world_size)
+
+    def peer_send(self) -> dict[str, Any]:
+        """Send the parameters (in ``transport.dtype``) through vLLM's own NCCL engine; what the engines
+        need to receive them (names, dtypes, shapes)."""
+        from disagg.rollout.vllm_transfer import peer_trainer_send
+        from disagg.transport.buckets import torch_dtype
+
+        dtype = torch_dtype(self.transport_cfg.dtype) if self.transport_cfg.dtype else None
+        params = list(self.model.named_parameters())
+        t0 = time.perf_counter()
+        peer_trainer_send(self._peer, [(n, p.detach()) for n, p in params], dtype or params[0][1].dtype)
+        return {"send_s": time.perf_counter() - t0}
+
+    def peer_update_info(self) -> dict[str, Any]:
+        """vLLM's update info for ``peer_send``'s tensors (packed, its default buffers)."""
+        dtype = self.transport_cfg.dtype
+        return {"names": [n for n, _ in self.model.named_parameters()],
+                "dtype_names": [dtype or str(p.dtype).removeprefix("torch.") for _, p in self.model.named_parameters()],
+                "shapes": [list(p.shape) for _, p in self.model.named_parameters()], "packed": True}
 
     def manifest(self, policy_version: int) -> dict:
         """The full-tensor manifest of this model at ``policy_version`` (layout only; no collective)."""

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from disagg import faults
 from disagg.transport.buckets import (bucket_buffers, bucket_checksum, contiguous_bucket, dtype_name, pack_bucket,
                                      torch_dtype)
 from disagg.transport.group import TransportGroup
@@ -168,6 +169,9 @@ class WeightSender:
         # across syncs while the layout and every tensor's address stay the same; a few
         # sets, as the trainer's weight snapshots alternate between buffers.
         self._views: dict[tuple, list[torch.Tensor] | None] = {}
+        # Otherwise each bucket's packing copies as two lists of views (bucket slices, tensor
+        # slices), kept the same way: a bucket is packed, cast included, by one fused call.
+        self._packs: dict[tuple, list[tuple[list[torch.Tensor], list[torch.Tensor]]] | None] = {}
 
     def _flat_views(self, manifest: Manifest, named_tensors: NamedTensors) -> list[torch.Tensor] | None:
         """Every bucket as a view of existing memory, or None if some bucket needs packing.
@@ -188,6 +192,33 @@ class WeightSender:
                 self._views.pop(next(iter(self._views)))
             self._views[key] = None if any(v is None for v in views) else views
         return self._views[key]
+
+    def _pack_views(self, manifest: Manifest, named_tensors: NamedTensors,
+                    slots: list[dict[str, torch.Tensor]]) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]] | None:
+        """Per bucket, (destinations in its slot's buffer, sources), or None where the tensors are
+        produced lazily or not contiguous (packed entry by entry then)."""
+        if not isinstance(named_tensors, Mapping) or self._after_pack is not None:
+            return None
+        try:
+            tensors = [named_tensors[t.name] for t in manifest.tensors]
+        except KeyError:
+            return None  # the full path names the missing tensor
+        key = (manifest.layout_digest(), tuple(t.data_ptr() for t in tensors),
+               tuple(b.data_ptr() for slot in slots for b in slot.values()))
+        if key not in self._packs:
+            packs = None
+            if all(t.is_contiguous() for t in tensors):
+                source = _TensorSource(manifest, named_tensors)  # checks names and shapes
+                packs = []
+                for i, plan in enumerate(manifest.buckets):
+                    buf, held = slots[i % len(slots)][plan.dtype], source.take(plan)
+                    packs.append(([buf[e.bucket_offset : e.bucket_offset + e.numel] for e in plan.entries],
+                                  [held[e.name].reshape(-1)[e.tensor_offset : e.tensor_offset + e.numel]
+                                   for e in plan.entries]))
+            if len(self._packs) >= _VIEW_SETS:
+                self._packs.pop(next(iter(self._packs)))
+            self._packs[key] = packs
+        return self._packs[key]
 
     def _buffers(self, manifest: Manifest, slack: int = 0) -> list[dict[str, torch.Tensor]]:
         key = f"{manifest.layout_digest()}+{slack}"
@@ -211,11 +242,12 @@ class WeightSender:
             raise ValueError("WeightSender.send needs exactly one of named_tensors and fill")
         t0 = time.perf_counter()
         views = self._flat_views(manifest, named_tensors) if fill is None else None
-        source = _TensorSource(manifest, named_tensors) if fill is None and views is None else None
+        slots = self._buffers(manifest, fill.slack if fill is not None else 0) if views is None else []
+        packs = self._pack_views(manifest, named_tensors, slots) if fill is None and views is None else None
+        source = _TensorSource(manifest, named_tensors) if fill is None and views is None and packs is None else None
         header = torch.tensor(header_for(manifest), dtype=torch.int64, device=self.group.device)
         # Not waited for here: the buckets queue behind it on the wire (ops complete in order).
         finished: list = [self.group.broadcast_async(header, self.src, count_bytes=False)]
-        slots = self._buffers(manifest, fill.slack if fill is not None else 0) if views is None else []
         in_flight: deque = deque()
         for i, plan in enumerate(manifest.buckets):
             if views is None and len(in_flight) == self.num_buffers:
@@ -229,6 +261,9 @@ class WeightSender:
                 buf = slots[i % self.num_buffers][plan.dtype]
                 fill(plan, buf)
                 packed = buf[: plan.numel]
+            elif packs is not None:
+                torch._foreach_copy_(*packs[i])
+                packed = slots[i % self.num_buffers][plan.dtype][: plan.numel]
             else:
                 tensors = source.take(plan)
                 packed = contiguous_bucket(plan, tensors) if self._after_pack is None else None
@@ -240,6 +275,7 @@ class WeightSender:
             if self._after_pack is not None:
                 self._after_pack(plan.index, packed)
             ops.append(self.group.broadcast_async(packed, self.src))
+            faults.hit("send_bucket")
             if self.verify:
                 ops.append(self.group.broadcast_async(checksum, self.src, count_bytes=False))
             in_flight.append(ops)

@@ -146,33 +146,99 @@ def test_after_a_sync_the_openai_endpoint_serves_the_trainer_weights(job, tok):
 def test_requests_in_flight_continue_across_syncs_with_exact_token_versions(job, tok):
     """vLLM 0.26 labels no token with its weight version: the engine resubmits at each sync and
     tags every token itself. Each token's behaviour log-prob must be that of the version it is
-    tagged with (to bf16 precision) and not that of the version before."""
+    tagged with, to bf16 precision.
+
+    bf16 numerics and a real error look alike on one token, so each token over the tolerance is put
+    to the alternatives a real error would match: the version before or after its tag (a tag off at
+    a resubmit boundary), and its version with the other KV rule (KV that earlier weights computed).
+    None may explain a token better than its tag. The replays hold the engine's bf16 weights and
+    compute in float32; vLLM rounds the logits to bf16 as well, so a token's tolerance grows by what
+    that rounding alone can move its log-prob (half an ulp of its logit and of the row's largest)."""
     mode = job.rollout.start_info[0]["in_flight_at_sync"]
+    recompute = mode == "resubmit"
     prompt = _ids(tok, "4321=")
     # A handful of syncs in the middle of the generation (a GPU decodes it in seconds).
     result, states = long_request_across_syncs(job, prompt, LONG_TOKENS, max_versions=7, poll_s=0.3)
     assert result.prompt_ids == prompt
+
+    def replay(c, versions, keep_kv=not recompute):
+        return replay_logprobs(job.model_path, states, prompt, c.response_ids, versions, recompute=not keep_kv,
+                               device="cuda", engine_dtype=torch.bfloat16, rounding=True)
+
     versions_seen = set()
     for c in result.completions:
         assert len(c.response_ids) == LONG_TOKENS == len(c.logprobs) == len(c.token_versions)
         assert c.token_versions == sorted(c.token_versions)
         served = sorted(set(c.token_versions))
         versions_seen |= set(served)
-        replay = replay_logprobs(job.model_path, states, prompt, c.response_ids, c.token_versions,
-                                 recompute=mode == "resubmit", device="cuda")
-        err = (replay - torch.tensor(c.logprobs)).abs()
-        bad = [(t, c.token_versions[t], round(float(err[t]), 3), round(c.logprobs[t], 3))
-               for t in range(len(err)) if err[t] >= BF16_LOGPROB_TOL]  # printed for the record
-        print(f"{mode}: versions {served}, max |engine - replay| {err.max().item():.4f}; "
-              f"over tolerance (token, version, error, log-prob): {bad[:20]}")
-        assert err.max().item() < LONG_LOGPROB_TOL, (err.max().item(), int(err.argmax()))
+        engine = torch.tensor(c.logprobs)
+        expected, rounding = replay(c, c.token_versions)
+        err = (expected - engine).abs()
+        before = [served[max(served.index(x) - 1, 0)] for x in c.token_versions]
+        after = [served[min(served.index(x) + 1, len(served) - 1)] for x in c.token_versions]
+        alternatives = {"version before": (replay(c, before)[0] - engine).abs(),
+                        "version after": (replay(c, after)[0] - engine).abs(),
+                        "other KV rule": (replay(c, c.token_versions, keep_kv=recompute)[0] - engine).abs()}
+        over = [t for t in range(len(err)) if err[t] >= BF16_LOGPROB_TOL]
+        table = [(t, c.token_versions[t], round(float(err[t]), 3), round(c.logprobs[t], 3),
+                  round(float(rounding[t]), 3), {k: round(float(a[t]), 3) for k, a in alternatives.items()})
+                 for t in over]
+        print(f"{mode}: versions {served}, max |engine - replay| {err.max().item():.4f} (token {int(err.argmax())}); "
+              f"over {BF16_LOGPROB_TOL} (token, version, error, log-prob, logit rounding, alternatives' errors): "
+              f"{table[:12]}")
+        explained = [(t, k) for t in over for k, a in alternatives.items() if a[t] < min(BF16_LOGPROB_TOL, err[t] / 2)]
+        assert not explained, f"tokens a wrong version or KV explains better than their tag: {explained[:10]}"
+        assert bool((err < LONG_LOGPROB_TOL + rounding).all()), [r for r in table if r[2] >= LONG_LOGPROB_TOL + r[4]]
         assert err.mean().item() < BF16_LOGPROB_TOL / 10
         if len(served) > 1:
-            shifted = [served[max(served.index(x) - 1, 0)] for x in c.token_versions]
-            wrong = (replay_logprobs(job.model_path, states, prompt, c.response_ids, shifted,
-                                     recompute=mode == "resubmit", device="cuda")
-                     - torch.tensor(c.logprobs)).abs()
+            wrong = alternatives["version before"]
             print(f"tagged with the version before: max error {wrong.max().item():.3f}")
             assert wrong.max().item() > 2 * LONG_LOGPROB_TOL
     assert len(versions_seen) >= 3, f"the request saw only versions {sorted(versions_seen)}"
     assert result.min_version == min(versions_seen) and result.max_version == max(versions_seen)
+
+
+# q, k and v are one fused parameter in vLLM, as are gate and up (concatenated on dim 0, in this order).
+FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+
+def _as_vllm_parameters(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The trainer's float32 weights as vLLM holds them: each the bf16 cast, q/k/v and gate/up fused."""
+    out, pieces = {}, {}
+    for name, t in state.items():
+        t = t.to(torch.bfloat16)
+        part = next((p for p in FUSED if f".{p}." in name), None)
+        if part is None:
+            out[name] = t
+        else:
+            fused, index = FUSED[part]
+            pieces.setdefault(name.replace(part, fused), {})[index] = t
+    out.update({name: torch.cat([parts[i] for i in sorted(parts)]) for name, parts in pieces.items()})
+    return out
+
+
+def test_direct_syncs_leave_every_vllm_parameter_the_bf16_cast_of_the_trainers_bit_for_bit(job, tok):
+    """The fast path (transport.load=direct: the copy plan learned from vLLM's load_weights at the
+    first sync, replayed as fused copies since) against the trainer, parameter by parameter."""
+    import ray
+
+    from disagg.transport.buckets import bucket_checksum
+
+    engine = job.rollout.engines[0]
+    prompt = _ids(tok, "1357=")
+    batch = [TrainSample(prompt, [5 + i, 6, 7, 8], [-1.0] * 4, 1.0 if i % 2 else -1.0, 0.0, 1) for i in range(8)]
+    plans = []
+    for _ in range(2):  # the plan is replayed from the second sync of a layout on, whichever test ran first
+        job.trainer.train_step(batch)
+        v = job.coordinator.state.latest_version() + 1
+        job.sync_weights(v, trainer_step=v)
+        stats = ray.get(engine.get_transfer_stats.remote(), timeout=60)
+        plans.append(stats["copy_plan"])
+    assert stats["load_mode"] == "direct" and plans[-1] == "replayed", (stats, plans)
+    want = _as_vllm_parameters(ray.get(job.trainer.rank0.full_state_dict.remote(), timeout=120))
+    got = ray.get(engine.param_checksums.remote(), timeout=120)
+    assert set(got) == set(want), (sorted(set(got) ^ set(want)))
+    differ = [n for n, t in want.items() if got[n] != bucket_checksum(t.reshape(-1)).tolist()]
+    print(f"{len(want)} vLLM parameters after {plans}: {len(differ)} differ from the trainer's bf16 cast")
+    assert not differ, differ[:10]

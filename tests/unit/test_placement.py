@@ -216,24 +216,29 @@ def test_resources_override_from_the_command_line():
     assert cfg.cluster.rollout_resources == {"rollout_node": 2.0}
 
 
-@pytest.mark.parametrize("shape, published", [("qwen2.5-0.5b", "qwen2-0.5b"), ("qwen2.5-1.5b", "qwen2-1.5b")])
+@pytest.mark.parametrize("shape, published", [("qwen2.5-0.5b", "qwen2-0.5b"), ("qwen2.5-1.5b", "qwen2-1.5b"),
+                                             ("qwen2.5-7b", "qwen2-7b")])
 def test_shape_presets_build_the_published_parameter_count(shape, published):
-    """shape=... builds the embedded model at a published size (on the meta device: no memory)."""
+    """shape=... builds the embedded model at a published size (on the meta device: no memory); the
+    embedded model ties its embeddings, so a published model with its own lm_head counts one less."""
     import torch
 
-    from disagg.bench.shapes import num_parameters
+    from disagg.bench.shapes import SHAPES, num_parameters
     from disagg.model.tiny import build_model
 
     cfg = _compose([f"shape={shape}"])
     assert cfg.model.warmstart.steps == 0 and cfg.model.path is None
     with torch.device("meta"):
         model = build_model(cfg.model.tiny, seed=0)
-    assert sum(p.numel() for p in model.parameters()) == num_parameters(published)
-    assert model.config.num_key_value_heads == 2 and model.config.vocab_size == 151936
+    want = SHAPES[published]
+    lm_head = 0 if want["tie_word_embeddings"] else want["vocab_size"] * want["hidden_size"]
+    assert sum(p.numel() for p in model.parameters()) == num_parameters(published) - lm_head
+    assert model.config.num_key_value_heads == want["num_key_value_heads"]
+    assert model.config.vocab_size == want["vocab_size"]
 
 
 def test_every_shape_preset_is_tested():
-    assert {p.stem for p in (CONFIGS / "shape").glob("*.yaml")} == {"qwen2.5-0.5b", "qwen2.5-1.5b"}
+    assert {p.stem for p in (CONFIGS / "shape").glob("*.yaml")} == {"qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b"}
 
 
 def test_a_bad_tiny_shape_names_key_and_value():

@@ -1,0 +1,179 @@
+"""Where each received tensor lands in a model: learned once from the model's own loader, replayed
+as one fused copy per bucket.
+
+A model's ``load_weights`` (vLLM's, for instance) maps every checkpoint tensor onto its parameters
+with Python: per tensor it finds the parameter, narrows it to the shard (q, k and v into one fused
+qkv parameter, gate and up into gate_up, a tensor-parallel rank's slice of the source) and copies.
+That walk costs tens of milliseconds per sync for a 1.5B model, on the critical path of every sync,
+while where the bytes go never changes.
+
+``learn`` runs the loader once, under a dispatch mode that sees every tensor operation, and
+records each ``copy_`` from a received tensor into parameter memory: which slice of which
+received tensor, into which view of which parameter. ``CopyPlan.apply`` then replays those copies
+for the next versions as one ``torch._foreach_copy_`` per bucket, straight from the receive buffer.
+
+The loader may also fill part of a parameter with a constant (vLLM zeroes an embedding's padding
+rows after copying the vocabulary in): such fills are replayed after the copies of the same tensor.
+
+The plan is exact or absent: if the loader did anything a replay would not redo - computed on a
+received tensor (a cast, a transpose made contiguous, a sum), wrote into a parameter by any other
+operation, or copied into memory that is not a parameter's - ``learn`` says why and returns no
+plan, and the caller keeps calling the loader. This module never imports vLLM or Ray.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+_METADATA_OPS = ("aten::sym_size", "aten::sym_stride", "aten::sym_numel", "aten::sym_storage_offset",
+                 "aten::is_same_size", "aten::_has_compatible_shallow_copy_type", "prim::")
+
+
+@dataclass(frozen=True)
+class PlannedCopy:
+    """One copy the loader made: the received tensor's elements at ``(offset, size, stride)``
+    (relative to the tensor's first element) into ``dst``, a view of a parameter."""
+
+    offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    dst: torch.Tensor
+
+    def source(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.as_strided(self.size, self.stride, tensor.storage_offset() + self.offset)
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """What a loader did with each received tensor: its copies into parameters, then its fills."""
+
+    copies: dict[str, list[PlannedCopy]]
+    fills: dict[str, list[tuple[torch.Tensor, float]]]
+
+    def update(self, other: "Recorded") -> None:
+        self.copies.update(other.copies)
+        for name, fills in other.fills.items():
+            self.fills.setdefault(name, []).extend(fills)
+
+
+class CopyPlan:
+    """Name -> the copies its tensor goes through. ``apply`` makes them for one bucket's tensors."""
+
+    def __init__(self, recorded: Recorded) -> None:
+        self.copies = recorded.copies
+        self.fills = recorded.fills
+        # name -> (the received tensor's address, its source views, their destinations): the
+        # receive buffers are kept across syncs, so the views are made once per address.
+        self._views: dict[str, tuple[int, list[torch.Tensor], list[torch.Tensor]]] = {}
+
+    @property
+    def num_copies(self) -> int:
+        return sum(len(c) for c in self.copies.values())
+
+    def apply(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """Copy each received tensor where the loader put it: one fused call for all of them.
+        Raises ``KeyError`` for a name the plan never saw (the caller learns again)."""
+        srcs: list[torch.Tensor] = []
+        dsts: list[torch.Tensor] = []
+        for name, t in tensors:
+            copies = self.copies[name]
+            if not copies:
+                continue
+            cached = self._views.get(name)
+            if cached is None or cached[0] != t.data_ptr():
+                cached = (t.data_ptr(), [c.source(t) for c in copies], [c.dst for c in copies])
+                self._views[name] = cached
+            srcs += cached[1]
+            dsts += cached[2]
+        with torch.no_grad():
+            if dsts:
+                torch._foreach_copy_(dsts, srcs)
+            if self.fills:
+                for name, _ in tensors:
+                    for dst, value in self.fills.get(name, ()):
+                        dst.fill_(value)
+
+
+class _Recorder(TorchDispatchMode):
+    """Watches one loader call: the copies from received tensors into parameters, and anything else."""
+
+    def __init__(self, received: list[tuple[str, torch.Tensor]], params: Iterable[torch.Tensor]) -> None:
+        super().__init__()
+        # received tensors by storage: [(first element, last element + 1, name, first element's offset)]
+        self._received: dict[int, list[tuple[int, int, str]]] = {}
+        for name, t in received:
+            if t.numel() == 0:
+                continue
+            if not t.is_contiguous():
+                raise ValueError(f"received tensor {name!r} is not contiguous")
+            start = t.storage_offset()
+            self._received.setdefault(t.untyped_storage().data_ptr(), []).append((start, start + t.numel(), name))
+        self._params = {p.untyped_storage().data_ptr() for p in params}
+        self.recorded = Recorded({name: [] for name, _ in received}, {})
+        self._last = received[0][0] if received else ""  # the tensor being loaded (fills go with it)
+        self.problem: str | None = None
+
+    def _origin(self, t: torch.Tensor) -> tuple[str, int] | None:
+        """(name, element offset within it) of the received tensor ``t`` views, or None."""
+        spans = self._received.get(t.untyped_storage().data_ptr()) if t.device.type != "meta" else None
+        for start, end, name in spans or ():
+            if start <= t.storage_offset() < end:
+                return name, t.storage_offset() - start
+        return None
+
+    def _flag(self, why: str) -> None:
+        if self.problem is None:
+            self.problem = why
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = func._schema.name
+        if func.is_view or name.startswith(_METADATA_OPS):
+            return out
+        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        if name == "aten::copy_" and len(args) >= 2:
+            dst, src = args[0], args[1]
+            origin = self._origin(src)
+            into_param = dst.untyped_storage().data_ptr() in self._params
+            if origin is not None and into_param and src.shape == dst.shape:
+                self.recorded.copies[origin[0]].append(PlannedCopy(origin[1], tuple(src.shape), tuple(src.stride()),
+                                                                   dst))
+                self._last = origin[0]
+            elif origin is not None:
+                self._flag(f"{origin[0]!r} copied into memory that is not a parameter's")
+            elif into_param:
+                self._flag(f"a parameter written from a tensor that is not a received one ({func})")
+            return out
+        if name in ("aten::fill_", "aten::zero_") and args[0].untyped_storage().data_ptr() in self._params:
+            value = 0 if name == "aten::zero_" else args[1]
+            if isinstance(value, torch.Tensor):
+                self._flag(f"{func} fills a parameter from a tensor")
+            elif args[0].numel():
+                self.recorded.fills.setdefault(self._last, []).append((args[0], value))
+            return out
+        for t in tensors:
+            if self._origin(t) is not None:
+                self._flag(f"{func} computes on received tensor {self._origin(t)[0]!r}")
+            elif func._schema.is_mutable and t.untyped_storage().data_ptr() in self._params:
+                self._flag(f"{func} writes into a parameter")
+        return out
+
+
+def learn(load: Callable[[list[tuple[str, torch.Tensor]]], None], received: list[tuple[str, torch.Tensor]],
+          params: Iterable[torch.Tensor]) -> tuple[Recorded | None, str | None]:
+    """Call ``load(received)`` (the model's loader: it loads them, as always) and record what it did.
+
+    Returns (what it did, None), or (None, why) when a replay would not do what the loader did.
+    ``params``: the model's parameters and buffers, the only memory a plan may write.
+    """
+    recorder = _Recorder(received, params)
+    with recorder:
+        load(received)
+    if recorder.problem is not None:
+        return None, recorder.problem
+    return recorder.recorded, None
