@@ -265,8 +265,8 @@ class EngineActor:
         trips to the engine core, on every step's critical path. No KV the old weights computed is
         reused: this actor's requests are salted by version, and vLLM's prefix cache is cleared when
         requests through the OpenAI server (not salted) came since it last was. ``ack``: tell the
-        coordinator this engine serves the
-        version (a driver in the coordinator's process acks from the report instead, sparing a call).
+        coordinator this engine serves the version (a driver in the coordinator's process acks from
+        the report instead, sparing a call).
         """
         t0 = time.perf_counter()
         phases: dict[str, float] = {}
@@ -348,8 +348,8 @@ class EngineActor:
             async def reset_cache() -> bool:
                 # Only a request through the OpenAI server can meet blocks another version computed:
                 # this actor's own requests are salted by version. vLLM's reset walks every KV block
-                # in Python (0.1 s on an 80 GB card with a small model), so it runs only when such a
-                # request came since the last one.
+                # in Python, whatever the cache holds (its cost grows with the pool, not with what is
+                # cached), so it runs only when such a request came since the last one.
                 if self.stats["http_requests"] == self._http_at_reset:
                     return True
                 self._http_at_reset = self.stats["http_requests"]
