@@ -205,7 +205,7 @@ class Job:
                                  f"{self._sync_failures(refs, names, e)}") from e
         n = len(self.trainer.workers)
         for report in outs[n:]:  # every engine serves the version: the coordinator commits it
-            committed = self.coordinator.state.ack_version(report.engine_id, policy_version, report.layout_digest)
+            self.coordinator.state.ack_version(report.engine_id, policy_version, report.layout_digest)
         committed = self.coordinator.state.committed_version()
         if committed != policy_version:
             raise TransportError(f"after sync of version {policy_version} the committed version is {committed}")

@@ -404,24 +404,28 @@ class TrainerWorker:
 
         self._peer = peer_trainer_init(host, port, world_size)
 
-    def peer_send(self) -> dict[str, Any]:
-        """Send the parameters (in ``transport.dtype``) through vLLM's own NCCL engine; what the engines
-        need to receive them (names, dtypes, shapes)."""
-        from disagg.rollout.vllm_transfer import peer_trainer_send
+    def _peer_dtype(self, p: torch.Tensor) -> torch.dtype:
+        """The dtype ``p`` goes out in: ``transport.dtype``, else its own."""
         from disagg.transport.buckets import torch_dtype
 
-        dtype = torch_dtype(self.transport_cfg.dtype) if self.transport_cfg.dtype else None
-        params = list(self.model.named_parameters())
+        return torch_dtype(self.transport_cfg.dtype) if self.transport_cfg.dtype else p.dtype
+
+    def peer_send(self) -> dict[str, Any]:
+        """Send the parameters (in ``transport.dtype``) through vLLM's own NCCL engine; the send's seconds."""
+        from disagg.rollout.vllm_transfer import peer_trainer_send
+
+        params = [(n, p.detach()) for n, p in self.model.named_parameters()]
         t0 = time.perf_counter()
-        peer_trainer_send(self._peer, [(n, p.detach()) for n, p in params], dtype or params[0][1].dtype)
+        peer_trainer_send(self._peer, params, self._peer_dtype(params[0][1]))
         return {"send_s": time.perf_counter() - t0}
 
     def peer_update_info(self) -> dict[str, Any]:
-        """vLLM's update info for ``peer_send``'s tensors (packed, its default buffers)."""
-        dtype = self.transport_cfg.dtype
-        return {"names": [n for n, _ in self.model.named_parameters()],
-                "dtype_names": [dtype or str(p.dtype).removeprefix("torch.") for _, p in self.model.named_parameters()],
-                "shapes": [list(p.shape) for _, p in self.model.named_parameters()], "packed": True}
+        """vLLM's update info for ``peer_send``'s tensors: names, dtypes, shapes (packed, its default buffers)."""
+        from disagg.transport.buckets import dtype_name
+
+        params = list(self.model.named_parameters())
+        return {"names": [n for n, _ in params], "dtype_names": [dtype_name(self._peer_dtype(p)) for _, p in params],
+                "shapes": [list(p.shape) for _, p in params], "packed": True}
 
     def manifest(self, policy_version: int) -> dict:
         """The full-tensor manifest of this model at ``policy_version`` (layout only; no collective)."""

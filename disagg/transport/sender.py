@@ -18,6 +18,7 @@ import zlib
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -32,6 +33,15 @@ log = logging.getLogger(__name__)
 _VIEW_SETS = 4  # bucket-view sets a sender keeps (one per set of tensor addresses)
 
 NamedTensors = Mapping[str, torch.Tensor] | Callable[[], Iterable[tuple[str, torch.Tensor]]]
+
+
+def _kept(cache: dict, key: tuple, build: Callable[[], Any]) -> Any:
+    """``cache[key]``, built on a miss; the cache keeps the ``_VIEW_SETS`` newest keys."""
+    if key not in cache:
+        if len(cache) >= _VIEW_SETS:
+            cache.pop(next(iter(cache)))
+        cache[key] = build()
+    return cache[key]
 
 
 class BucketFill:
@@ -185,13 +195,12 @@ class WeightSender:
             key = (manifest.layout_digest(), tuple(named_tensors[t.name].data_ptr() for t in manifest.tensors))
         except KeyError:
             return None  # the full path names the missing tensor
-        if key not in self._views:
+        def build():
             source = _TensorSource(manifest, named_tensors)
             views = [contiguous_bucket(plan, source.take(plan)) for plan in manifest.buckets]
-            if len(self._views) >= _VIEW_SETS:
-                self._views.pop(next(iter(self._views)))
-            self._views[key] = None if any(v is None for v in views) else views
-        return self._views[key]
+            return None if any(v is None for v in views) else views
+
+        return _kept(self._views, key, build)
 
     def _pack_views(self, manifest: Manifest, named_tensors: NamedTensors,
                     slots: list[dict[str, torch.Tensor]]) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]] | None:
@@ -205,20 +214,19 @@ class WeightSender:
             return None  # the full path names the missing tensor
         key = (manifest.layout_digest(), tuple(t.data_ptr() for t in tensors),
                tuple(b.data_ptr() for slot in slots for b in slot.values()))
-        if key not in self._packs:
-            packs = None
-            if all(t.is_contiguous() for t in tensors):
-                source = _TensorSource(manifest, named_tensors)  # checks names and shapes
-                packs = []
-                for i, plan in enumerate(manifest.buckets):
-                    buf, held = slots[i % len(slots)][plan.dtype], source.take(plan)
-                    packs.append(([buf[e.bucket_offset : e.bucket_offset + e.numel] for e in plan.entries],
-                                  [held[e.name].reshape(-1)[e.tensor_offset : e.tensor_offset + e.numel]
-                                   for e in plan.entries]))
-            if len(self._packs) >= _VIEW_SETS:
-                self._packs.pop(next(iter(self._packs)))
-            self._packs[key] = packs
-        return self._packs[key]
+        def build():
+            if not all(t.is_contiguous() for t in tensors):
+                return None
+            source = _TensorSource(manifest, named_tensors)  # checks names and shapes
+            packs = []
+            for i, plan in enumerate(manifest.buckets):
+                buf, held = slots[i % len(slots)][plan.dtype], source.take(plan)
+                packs.append(([buf[e.bucket_offset : e.bucket_offset + e.numel] for e in plan.entries],
+                              [held[e.name].reshape(-1)[e.tensor_offset : e.tensor_offset + e.numel]
+                               for e in plan.entries]))
+            return packs
+
+        return _kept(self._packs, key, build)
 
     def _buffers(self, manifest: Manifest, slack: int = 0) -> list[dict[str, torch.Tensor]]:
         key = f"{manifest.layout_digest()}+{slack}"
