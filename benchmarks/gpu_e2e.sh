@@ -7,7 +7,8 @@
 #   bash benchmarks/gpu_e2e.sh metrics ARGS     # a short `disagg train ARGS` scraped while it runs: the
 #                                               # coordinator's and the engines' /metrics (issue 22)
 #   bash benchmarks/gpu_e2e.sh queue FILE       # each line `NAME ARGS` run as `train` (`NAME bench ARGS`:
-#                                               # as `bench`), one after another,
+#                                               # as `bench`; `NAME tests ARGS`: tests/gpu, log NAME.log),
+#                                               # one after another,
 #                                               # detached (setsid), so the runs outlast the 10-minute call
 #   bash benchmarks/gpu_e2e.sh poll SECONDS     # wait for the queue (at most SECONDS), copy the files of
 #                                               # finished runs to $OUT; call it again at once to keep the
@@ -36,6 +37,11 @@ if [ -d .whl ] && ! cmp -s .whl/disagg-*.whl /tmp/site/.disagg-installed.whl; th
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/disagg-*.whl || exit 2
   cp .whl/disagg-*.whl /tmp/site/.disagg-installed.whl
 fi
+# checkpoint-engine, for `disagg bench vllm-sync --peer checkpoint-engine` (a pure-Python wheel; its
+# needs - pyzmq, fastapi, pydantic, loguru - come with the vLLM pieces): carried in .whl/ too
+for w in .whl/checkpoint_engine-*.whl; do
+  [ -f "$w" ] && [ ! -d /tmp/site/checkpoint_engine ] && { python3 -m zipfile -e "$w" /tmp/site || exit 2; }
+done
 export PYTHONPATH="/tmp/site:$PWD"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, vllm, ray; print('torch', torch.__version__, 'vllm', vllm.__version__, 'ray', ray.__version__, 'gpus', torch.cuda.device_count())"
@@ -43,7 +49,7 @@ python3 -c "import torch, vllm, ray; print('torch', torch.__version__, 'vllm', v
 case "$stage" in
   tests)
     timeout "${TEST_LIMIT_S:-540}" python3 -m pytest -q -s -p no:cacheprovider tests/gpu "${@:2}" 2>&1 \
-      | grep -v "nanobind\|leaked \|skipped remainder" | tee "$out/gpu_tests.log"
+      | grep -v "nanobind\|leaked \|skipped remainder" | tee "$out/${TESTS_NAME:-gpu_tests}.log"
     exit "${PIPESTATUS[0]}" ;;
   train)
     name=${2:?train needs a NAME}
@@ -81,8 +87,10 @@ case "$stage" in
     # the runs use a snapshot of this tree: a later call brings the working tree as it is then
     tar --exclude=./.device --exclude=./.git -cf - . | tar -xf - -C "$q/repo"
     (cd "$q/repo" && setsid nohup bash -c "while read -r name args; do [ -n \"\$name\" ] || continue; \
-      stage=train; case \"\$args\" in bench\ *) stage=bench; args=\${args#bench }; esac; \
-      OUT=$q/out TRAIN_LIMIT_S=\${QUEUE_LIMIT_S:-3000} bash benchmarks/gpu_e2e.sh \$stage \$name \$args >/dev/null 2>&1; \
+      stage=train; case \"\$args \" in bench\ *) stage=bench; args=\${args#bench }; esac; \
+      if [ \"\${args%% *}\" = tests ]; then set -- tests \${args#tests}; else set -- \$stage \$name \$args; fi; \
+      OUT=$q/out TRAIN_LIMIT_S=\${QUEUE_LIMIT_S:-3000} TEST_LIMIT_S=\${QUEUE_LIMIT_S:-3000} TESTS_NAME=\$name \
+        bash benchmarks/gpu_e2e.sh \"\$@\" >/dev/null 2>&1; \
       echo \"\$name rc=\$?\" >>$q/done.txt; done <$q/runs.txt; echo all >>$q/done.txt" \
       >"$q/queue.log" 2>&1 </dev/null &)
     echo "queued $(grep -c . "$q/runs.txt") runs" ;;

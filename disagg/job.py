@@ -19,6 +19,7 @@ from disagg.config import Config, resolve_backend, resolve_device
 from disagg.errors import TransportError
 from disagg.logs import ray_get_logged
 from disagg.rollout.pool import RolloutPool
+from disagg.rollout.types import sync_timeline
 from disagg.trainer.group import TrainerGroup
 
 log = logging.getLogger("disagg.job")
@@ -32,6 +33,7 @@ class SyncStats:
     send_s: float  # the slowest sending trainer rank's own time on the wire (packing included)
     num_buckets: int
     engine_phases: dict[str, float] = field(default_factory=dict)  # each phase's seconds, the slowest engine's
+    timeline: dict[str, float] = field(default_factory=dict)  # each event's seconds after the announce (TIMELINE)
 
     @property
     def gb_per_s(self) -> float:
@@ -47,6 +49,7 @@ class PendingSync:
     engine_ids: tuple[int, ...] = ()  # the receiving engines, in the order of their refs
     pushed: bool | None = None  # the trainer's side finished without error (None: not known yet)
     from_snapshot: bool = False  # sent from a copy: the trainer may train while it runs
+    wall0: float = 0.0  # the announce's unix time (the parties' clock readings are placed after it)
 
     @property
     def engine_refs(self) -> dict[int, object]:
@@ -182,7 +185,7 @@ class Job:
         to it directly, with the trainer's manifest (asked of it once: its layout never changes);
         each engine is told the layout's digest, and fetches the manifest only when it does not
         hold that layout yet; the engines' acks come back with their reports (``finish_sync``)."""
-        t0 = time.perf_counter()
+        t0, wall0 = time.perf_counter(), time.time()
         if self._manifest is None:
             self._manifest = self.trainer.manifest(policy_version)
         manifest = self._manifest.with_version(policy_version)
@@ -190,7 +193,7 @@ class Job:
         pushes = self.trainer.push_weights_async(policy_version, from_snapshot)
         receives = self.rollout.receive_weights_async(policy_version, digest=manifest.layout_digest(), ack=False)
         return PendingSync(policy_version, t0, pushes + receives, len(pushes), tuple(self.rollout.engine_ids),
-                           from_snapshot=from_snapshot)
+                           from_snapshot=from_snapshot, wall0=wall0)
 
     def finish_sync(self, pending: "PendingSync") -> SyncStats:
         """Wait for every party of a started sync; one TransportError naming each failed party."""
@@ -218,9 +221,10 @@ class Job:
         for report in received:
             for k, v in getattr(report, "phases", {}).items():
                 phases[k] = max(phases.get(k, 0.0), v)
-        return SyncStats(pending.policy_version, sum(int(o["bytes"]) for o in sent), time.perf_counter() - pending.t0,
+        seconds = time.perf_counter() - pending.t0
+        return SyncStats(pending.policy_version, sum(int(o["bytes"]) for o in sent), seconds,
                          max(float(o.get("send_s", 0.0)) for o in sent), sum(int(o["num_buckets"]) for o in sent),
-                         phases)
+                         phases, sync_timeline(pending.wall0, seconds, sent, received))
 
     def _sync_failures(self, refs: list, names: list[str], first: Exception) -> str:
         """What each party of a failed sync reported (its peers fail within the transport timeout)."""

@@ -15,7 +15,11 @@ untimed syncs first: a direct load learns its copy plan in the first) and then f
   <peer>     with ``--peer vllm-nccl``: the same bytes into the same engine through vLLM's own NCCL
              weight-transfer engine (packed, its default 1 GiB x 2 buffers), as its users drive it:
              the trainer's ``trainer_send_weights`` beside ``AsyncLLM``'s start / update / finish
-             (vLLM's layerwise reload), from the driver's dispatch until both are done
+             (vLLM's layerwise reload), from the driver's dispatch until both are done; with
+             ``--peer checkpoint-engine``: through checkpoint-engine 0.4.2 as its users drive it each
+             step (``disagg.bench.ckpt_engine_peer``): register the trainer's weights (cast, copied into
+             its pinned host memory; timed apart), then gather_metas and update on every rank (host ->
+             GPU, NCCL broadcast, CUDA IPC into vLLM's worker), from the driver's dispatch until all are done
 
 and reports medians: each mode's seconds, raw / sync (the share of the raw rate a sync reaches), the
 fixed cost (sync - raw), the phases, and the peer's seconds against disagg's fastest mode. Nothing
@@ -35,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from disagg.bench.pipeline import _composed, _machine, _visible_gpus, bench_device, gpu_overrides
+from disagg.rollout.types import TIMELINE
 from disagg.logs import setup_logging
 
 log = logging.getLogger("disagg.bench")
@@ -54,7 +59,10 @@ PHASES = {  # engine phase key -> what it is (the order of a sync)
     "worker_finalize_s": "worker: finalize_layerwise_reload",
 }
 SEQUENTIAL = ("manifest_s", "quiesce_s", "update_s", "resume_s", "ack_s")  # the engine actor's, one after another
-PEERS = ("vllm-nccl",)
+PEERS = {  # --peer -> the route it takes, and why it needs GPUs
+    "vllm-nccl": "vLLM's own NCCL engine",
+    "checkpoint-engine": "checkpoint-engine 0.4.2: NCCL broadcast, CUDA IPC",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +74,7 @@ class VllmSyncOptions:
     run_dir: str = "runs/bench-vllm-sync"
     log_level: str = "WARNING"
     overrides: tuple[str, ...] = ()
-    peer: str | None = None  # vllm-nccl: vLLM's own NCCL weight transfer into the same engine (GPUs)
+    peer: str | None = None  # vllm-nccl | checkpoint-engine: another route into the same engine (GPUs)
 
 
 def resolve_options(given: dict[str, Any], gpus: int) -> VllmSyncOptions:
@@ -83,7 +91,7 @@ def resolve_options(given: dict[str, Any], gpus: int) -> VllmSyncOptions:
     if values.get("peer") is not None and values["peer"] not in PEERS:
         raise ValueError(f"--peer: unknown peer {values['peer']!r} ({', '.join(PEERS)})")
     if values.get("peer") is not None and device != "cuda":
-        raise ValueError(f"--peer {values['peer']} needs --device cuda (vLLM's NCCL engine)")
+        raise ValueError(f"--peer {values['peer']} needs --device cuda ({PEERS[values['peer']]})")
     values["loads"] = loads
     overrides = tuple(values.get("overrides", ()))
     values["overrides"] = gpu_overrides(overrides, gpus) if device == "cuda" else overrides
@@ -91,16 +99,20 @@ def resolve_options(given: dict[str, Any], gpus: int) -> VllmSyncOptions:
 
 
 def summarise(raw_s: list[float], syncs: dict[str, list[dict[str, Any]]],
-              peer_s: list[float] | None = None) -> dict[str, Any]:
+              peer_s: list[float] | None = None, peer_register_s: list[float] | None = None) -> dict[str, Any]:
     """Medians of the timed iterations: raw seconds, and per load mode its seconds, raw/sync, fixed
     cost (sync - raw) and each phase's median; the peer's seconds and how many times faster than it
-    disagg's fastest mode is. Pure."""
+    disagg's fastest mode is; where the peer registers its weights before each update (checkpoint-engine,
+    ``peer_register_s`` beside ``peer_s``), the register's seconds and the speed-up against both. Pure."""
     raw = statistics.median(raw_s)
     out: dict[str, Any] = {"raw_s": raw, "modes": {}}
     if peer_s:
         peer = statistics.median(peer_s)
         best = min(statistics.median(r["seconds"] for r in runs) for runs in syncs.values())
         out["peer"] = {"seconds": peer, "raw_vs_peer": raw / peer, "disagg_speedup": peer / best}
+        if peer_register_s:
+            out["peer"].update(register_s=statistics.median(peer_register_s), disagg_speedup_with_register=(
+                statistics.median(p + r for p, r in zip(peer_s, peer_register_s, strict=True)) / best))
     for mode, runs in syncs.items():
         seconds = statistics.median(r["seconds"] for r in runs)
         keys = sorted({k for r in runs for k in r["phases"]}, key=lambda k: list(PHASES).index(k) if k in PHASES else 99)
@@ -110,6 +122,8 @@ def summarise(raw_s: list[float], syncs: dict[str, list[dict[str, Any]]],
             "seconds": seconds, "raw_vs_sync": raw / seconds if seconds > 0 else None, "fixed_s": seconds - raw,
             "send_s": statistics.median(r["send_s"] for r in runs), "driver_s": statistics.median(driver),
             "phases": {k: statistics.median(r["phases"].get(k, 0.0) for r in runs) for k in keys},
+            "timeline": {k: statistics.median(r["timeline"][k] for r in runs)
+                         for k in TIMELINE if all(k in r.get("timeline", {}) for r in runs)},
         }
     return out
 
@@ -151,7 +165,7 @@ def run(o: VllmSyncOptions) -> dict[str, Any]:
         peer_s: list[float] = []
         syncs: dict[str, list[dict[str, Any]]] = {m: [] for m in o.loads}
         resolved = {}
-        peer_info = _peer_init(job, cfg) if o.peer else None
+        peer_info = _peer_init(job, cfg, o.peer) if o.peer else None
 
         def raw() -> float:
             sides = ray.get([job.trainer.transport_method(0, "raw_send").remote(nbytes, 1)]
@@ -170,38 +184,75 @@ def run(o: VllmSyncOptions) -> dict[str, Any]:
                 if i >= o.warmup:
                     raw_s.append(r)
                     syncs[mode].append({"seconds": s.seconds, "send_s": s.send_s, "phases": s.engine_phases,
-                                        "copy_plan": plan})
+                                        "timeline": s.timeline, "copy_plan": plan})
                 log.warning("%s %d/%d: raw %.4f s, sync %.4f s (%s)", mode, i + 1, o.warmup + o.repeats, r,
                             s.seconds, plan or "loader")
+        peer_runs: list[dict[str, float]] = []
+        if o.peer == "vllm-nccl":  # vLLM's calls go to its own engine for the peer's block (not timed)
+            ray.get([e.peer_use.remote("vllm-nccl") for e in engines], timeout=60)
         for i in range(o.warmup + o.repeats if peer_info is not None else 0):
             r = raw()
-            t0 = time.perf_counter()
-            ray.get([job.trainer.transport_method(0, "peer_send").remote()]
-                    + [e.peer_receive.remote(peer_info) for e in engines], timeout=cfg.transport.timeout_s + 30)
+            p = _peer_sync(job, cfg, o.peer, peer_info, i)
             if i >= o.warmup:
                 raw_s.append(r)
-                peer_s.append(time.perf_counter() - t0)
-            log.warning("%s %d/%d: raw %.4f s, sync %.4f s", o.peer, i + 1, o.warmup + o.repeats, r,
-                        time.perf_counter() - t0)
-        report.update(summarise(raw_s, syncs, peer_s), raw_all_s=raw_s, syncs=syncs, resolved_loads=resolved,
-                      peer_all_s=peer_s)
+                peer_s.append(p["seconds"])
+                peer_runs.append(p)
+            log.warning("%s %d/%d: raw %.4f s, sync %.4f s%s", o.peer, i + 1, o.warmup + o.repeats, r, p["seconds"],
+                        "".join(f", {k} {v:.4f} s" for k, v in p.items() if k != "seconds"))
+        register_s = [p["register_s"] for p in peer_runs if "register_s" in p]
+        report.update(summarise(raw_s, syncs, peer_s, register_s), raw_all_s=raw_s, syncs=syncs,
+                      resolved_loads=resolved, peer_all_s=peer_s, peer_all=peer_runs)
     finally:
         job.shutdown()
         ray.shutdown()
     return report
 
 
-def _peer_init(job, cfg) -> dict[str, Any]:
-    """vLLM's own NCCL group between trainer rank 0 and every engine worker; its update info."""
+def _peer_init(job, cfg, peer: str) -> dict[str, Any]:
+    """vllm-nccl: vLLM's own NCCL group between trainer rank 0 and every engine worker; its update info.
+    checkpoint-engine: its ParameterServer, rank 0 in the trainer worker, rank 1 + i in engine actor i."""
     import ray
 
     host, port = job.trainer.transport_endpoint(0)
+    if peer == "checkpoint-engine":
+        from disagg.bench.ckpt_engine_peer import ps_ranks
+
+        world, ranks = ps_ranks(len(job.rollout.engines), cfg.rollout.tensor_parallel_size, cfg.trainer.num_workers)
+        ray.get([job.trainer.transport_method(0, "ckpt_init").remote(host, port, world)]
+                + [e.ckpt_init.remote(host, port, rank, world) for e, rank in zip(job.rollout.engines, ranks)],
+                timeout=cfg.transport.timeout_s + 30)
+        return {}
     world, tp = 1 + job.rollout.num_workers, cfg.rollout.tensor_parallel_size
     ray.get([job.trainer.transport_method(0, "peer_init").remote(host, port, world)]
             + [e.peer_init.remote({"master_address": host, "master_port": port, "rank_offset": 1 + i * tp,
                                    "world_size": world}) for i, e in enumerate(job.rollout.engines)],
             timeout=cfg.transport.timeout_s + 30)
     return ray.get(job.trainer.transport_method(0, "peer_update_info").remote(), timeout=60)
+
+
+def _peer_sync(job, cfg, peer: str, info: dict[str, Any], i: int) -> dict[str, float]:
+    """Iteration ``i`` of the peer: its seconds from the driver's dispatch until every party is done, and
+    the parties' own figures (checkpoint-engine: ``register_s`` before that, the trainer's gather and
+    update, engine 0's worker)."""
+    import ray
+
+    trainer, engines, timeout_s = job.trainer, job.rollout.engines, cfg.transport.timeout_s + 30
+    out: dict[str, float] = {}
+    if peer == "checkpoint-engine":
+        name = f"disagg-bench-{i}"
+        out["register_s"] = ray.get(trainer.transport_method(0, "ckpt_register").remote(name), timeout=timeout_s)
+        t0 = time.perf_counter()
+        sides = ray.get([trainer.transport_method(0, "ckpt_update").remote(name)]
+                        + [e.ckpt_receive.remote(name) for e in engines], timeout=timeout_s)
+        out["seconds"] = time.perf_counter() - t0
+        out.update(sides[0], **{k: v for k, v in sides[1].items() if k.startswith("worker_")})
+        return out
+    t0 = time.perf_counter()
+    sides = ray.get([trainer.transport_method(0, "peer_send").remote()]
+                    + [e.peer_receive.remote(info) for e in engines], timeout=timeout_s)
+    out["seconds"] = time.perf_counter() - t0
+    out.update(sides[0])
+    return out
 
 
 def render(report: dict[str, Any]) -> None:
@@ -226,11 +277,21 @@ def render(report: dict[str, Any]) -> None:
             table.add_row(f"  {PHASES.get(k, k)}", f"{v:.4f}", "", "")
         plans = sorted({r.get("copy_plan") or "-" for r in report["syncs"][mode]})
         table.add_row(f"  worker loads by: {', '.join(plans)}", "", "", "")
+        if m.get("timeline"):
+            table.add_row("  timeline, seconds after the announce (medians):", "", "", "")
+            for k, v in m["timeline"].items():
+                table.add_row(f"    {k}: {TIMELINE[k]}", f"{v:.4f}", "", "")
     if "peer" in report:
         p = report["peer"]
-        table.add_row(f"{report['options']['peer']} (vLLM's own engine): same bytes, same engine", f"{p['seconds']:.4f}",
+        peer = report["options"]["peer"]
+        table.add_row(f"{peer} ({PEERS.get(peer, '')}): same bytes, same engine", f"{p['seconds']:.4f}",
                       f"{gb / p['seconds']:.2f}", f"{p['raw_vs_peer']:.2f}")
         table.add_row("  disagg's fastest sync is this many times faster", f"{p['disagg_speedup']:.2f}x", "", "")
+        if "register_s" in p:
+            table.add_row("  before each: register (cast, copy into its pinned host memory)", f"{p['register_s']:.4f}",
+                          "", "")
+            table.add_row("  disagg's fastest sync against register + update",
+                          f"{p['disagg_speedup_with_register']:.2f}x", "", "")
     table.caption = f"trainer: {report.get('trainer', '')}"
     Console().print(table)
 
@@ -244,7 +305,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--run-dir", default="runs/bench-vllm-sync")
     p.add_argument("--log-level", default="WARNING")
-    p.add_argument("--peer", default=None, choices=PEERS,
+    p.add_argument("--peer", default=None, choices=tuple(PEERS),
                    help="also sync the same bytes into the same engine through this peer (GPUs)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the report as JSON")
     p.add_argument("overrides", nargs="*", metavar="key=value",

@@ -269,10 +269,11 @@ class EngineActor:
         the report instead, sparing a call).
         """
         t0 = time.perf_counter()
+        stamps = {"engine_in": time.time()}
         phases: dict[str, float] = {}
         self._not_loading.clear()  # before the first await: a request arriving from now on waits
         try:
-            m, recv_s, stats = await self._load(policy_version, manifest, digest, phases)
+            m, recv_s, stats = await self._load(policy_version, manifest, digest, phases, stamps)
         finally:
             self._not_loading.set()
         self._report_state("READY")
@@ -285,9 +286,13 @@ class EngineActor:
                 phases[f"worker_{key}"] = float(stats[key])
         if "seconds" in stats:
             phases["worker_receive_s"] = float(stats["seconds"])
+        for key in ("worker_in", "wire_start", "worker_out"):  # the worker's own clock readings
+            if f"{key}_unix_s" in stats:
+                stamps[key] = float(stats[f"{key}_unix_s"])
+        stamps["engine_out"] = time.time()
         return SyncReport(self.engine_id, policy_version, int(stats.get("bytes", 0)), int(stats.get("num_buckets", 0)),
                           int(stats.get("num_tensors", 0)), recv_s, time.perf_counter() - t0, phases,
-                          m.layout_digest(), str(stats.get("copy_plan", "")))
+                          m.layout_digest(), str(stats.get("copy_plan", "")), stamps)
 
     async def _manifest_for(self, policy_version: int, manifest: dict | None, digest: str | None):
         from disagg.transport.manifest import Manifest
@@ -302,9 +307,11 @@ class EngineActor:
             self._manifest = await self._control_call(self._coord.get_manifest, policy_version)
         return self._manifest
 
-    async def _load(self, policy_version: int, manifest: dict | None, digest: str | None, phases: dict[str, float]):
+    async def _load(self, policy_version: int, manifest: dict | None, digest: str | None, phases: dict[str, float],
+                    stamps: dict[str, float]):
         """``receive_weights`` behind the closed gate: (the manifest, seconds on the wire, the worker's
-        figures); the seconds of each phase go into ``phases``."""
+        figures); the seconds of each phase go into ``phases``, the update call's clock readings
+        into ``stamps``."""
         t = time.perf_counter()
 
         def lap(name: str) -> None:
@@ -343,7 +350,7 @@ class EngineActor:
             # The cache reset, where one is needed, is queued in the engine core ahead of the update,
             # which blocks its loop: no step runs between the two (nothing is in flight, or it is
             # paused), so no block the old weights computed survives.
-            called = time.time()
+            called = stamps["update_call"] = time.time()
 
             async def reset_cache() -> bool:
                 # Only a request through the OpenAI server can meet blocks another version computed:
@@ -358,14 +365,14 @@ class EngineActor:
                 return out
 
             reset, stats = await asyncio.gather(reset_cache(), vllm_api.sync_weights(eng, info, policy_version))
-            returned = time.time()
+            returned = stamps["update_return"] = time.time()
             recv_s = time.perf_counter() - t
             lap("update_s")
             # The update call's ends, as the worker stamped them: getting into the worker (the engine
             # core's loop picking the call up) and the answer coming back.
-            if "entered_unix_s" in stats:
-                phases["rpc_in_s"] = max(0.0, stats["entered_unix_s"] - called)
-                phases["rpc_out_s"] = max(0.0, returned - stats["left_unix_s"])
+            if "worker_in_unix_s" in stats:
+                phases["rpc_in_s"] = max(0.0, stats["worker_in_unix_s"] - called)
+                phases["rpc_out_s"] = max(0.0, returned - stats["worker_out_unix_s"])
             if reset is False:  # blocks still held (requests frozen in keep mode)
                 log.info("version %d: vLLM kept its prefix cache (blocks in use); requests are salted by "
                          "version, so none reuses another version's KV", policy_version)
@@ -569,18 +576,39 @@ class EngineActor:
         """``disagg bench vllm-sync --peer vllm-nccl``: vLLM's own NCCL engine joins a group with the trainer."""
         await self._engine.collective_rpc("disagg_peer_init", args=(init_info,))
 
+    async def peer_use(self, name: str) -> None:
+        """The weight-transfer engine vLLM's start / update / finish go to from now on: "vllm-nccl" (the
+        peer's block) or "disagg"."""
+        await self._engine.collective_rpc("disagg_peer_use", args=(name,))
+
     async def peer_receive(self, update_info: dict[str, Any]) -> None:
-        """A weight update through vLLM's own NCCL engine, as its users make one: ``AsyncLLM``'s start,
-        update and finish (each a call into the worker; vLLM's layerwise reload)."""
+        """A weight update through vLLM's own NCCL engine (after ``peer_use("vllm-nccl")``), as its users
+        make one: ``AsyncLLM``'s start, update and finish (each a call into the worker; vLLM's layerwise
+        reload)."""
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
-        await self._engine.collective_rpc("disagg_peer_use", args=("vllm-nccl",))
-        try:
-            await self._engine.start_weight_update()
-            await self._engine.update_weights(WeightTransferUpdateRequest(update_info=update_info))
-            await self._engine.finish_weight_update()
-        finally:
-            await self._engine.collective_rpc("disagg_peer_use", args=("disagg",))
+        await self._engine.start_weight_update()
+        await self._engine.update_weights(WeightTransferUpdateRequest(update_info=update_info))
+        await self._engine.finish_weight_update()
+
+    async def ckpt_init(self, host: str, port: int, rank: int, world_size: int) -> None:
+        """``disagg bench vllm-sync --peer checkpoint-engine``: a ParameterServer rank in this actor's process,
+        on the engine's GPU (``disagg.bench.ckpt_engine_peer``); its rendezvous runs off the event loop."""
+        from disagg.bench.ckpt_engine_peer import ParameterServerRank
+
+        self._ckpt = await asyncio.to_thread(ParameterServerRank, host, port, rank, world_size,
+                                             self.transport_cfg.timeout_s)
+
+    async def ckpt_receive(self, name: str) -> dict[str, float]:
+        """One update of checkpoint ``name``: the rank's gather and update on a thread; the update, once its
+        socket is bound, has vLLM's worker take the buckets (``disagg_ckpt_receive``). The figures."""
+        loop, timeout_s = asyncio.get_running_loop(), self.transport_cfg.timeout_s
+
+        def call_worker(handles: dict[str, str]) -> dict[str, float]:
+            rpc = self._engine.collective_rpc("disagg_ckpt_receive", args=(handles, timeout_s))
+            return asyncio.run_coroutine_threadsafe(rpc, loop).result(timeout_s)[0]
+
+        return await asyncio.to_thread(self._ckpt.update, name, call_worker)
 
     async def raw_receive(self, nbytes: int, repeats: int) -> list[float]:
         """``disagg bench vllm-sync``: the worker's side of ``repeats`` raw broadcasts of ``nbytes``."""

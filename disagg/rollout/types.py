@@ -96,3 +96,38 @@ class SyncReport:
     worker_reload_init_s, worker_finalize_s)."""
     layout_digest: str = ""  # the manifest's layout, for the coordinator's ack
     copy_plan: str = ""  # direct loads: "learned" (vLLM's loader, recorded), "replayed", "loader"; else ""
+    stamps: dict[str, float] = field(default_factory=dict)
+    """Unix clock readings of the sync's events on this engine (one host's clock: the driver places
+    them on its timeline): engine_in, update_call, worker_in, wire_start (the sender's header
+    matched), worker_out, update_return, engine_out."""
+
+
+TIMELINE = {  # a sync's events, in their usual order -> what happened (the latest party's, where several)
+    "trainer_in": "the trainer's push started (Ray's dispatch to it)",
+    "engine_in": "the engine actor's receive started (Ray's dispatch to it)",
+    "update_call": "the engine called into vLLM's worker (manifest and quiesce done)",
+    "worker_in": "vLLM's worker entered the update (the engine core picked the call up)",
+    "wire_start": "the sender's header matched on the worker (every party on the group)",
+    "trainer_out": "the trainer's push returned (its last bucket on the wire)",
+    "worker_out": "the worker left the update (bytes loaded)",
+    "update_return": "the engine actor had the worker's answer",
+    "engine_out": "the engine actor returned its report",
+    "done": "the driver had every report and the version committed",
+}
+
+
+def sync_timeline(wall0: float, seconds: float, sent: list[dict], received: list) -> dict[str, float]:
+    """Each ``TIMELINE`` event's seconds after the announce at unix time ``wall0``: the latest party's
+    clock reading (the trainer ranks' pushes, the engines' ``SyncReport.stamps``; one host's clock, or
+    synchronised ones); ``done`` is ``seconds``. Events no party reported are left out. Pure."""
+    latest: dict[str, float] = {}
+    for out in sent:
+        for key in ("trainer_in", "trainer_out"):
+            if f"{key}_unix_s" in out:
+                latest[key] = max(latest.get(key, 0.0), float(out[f"{key}_unix_s"]))
+    for report in received:
+        for key, stamp in getattr(report, "stamps", {}).items():
+            latest[key] = max(latest.get(key, 0.0), stamp)
+    timeline = {k: latest[k] - wall0 for k in TIMELINE if k in latest}
+    timeline["done"] = seconds
+    return timeline

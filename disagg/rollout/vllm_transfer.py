@@ -205,6 +205,7 @@ class DisaggWeightTransferEngine(WeightTransferEngine[DisaggInitInfo, DisaggUpda
         learning = self.load_mode == "direct" and self._plan_key not in self._plans
         self._learning = Recorded({}, {}) if learning else None
         self._plan_note = "learned" if learning else ("loader" if self.load_mode == "direct" else "")
+        started = time.time()
         try:
             stats = receive_model(self.groups, manifest, self._load, device=self.device, source=self.info.source,
                                   num_buffers=self.info.num_buffers, verify=self.info.verify)
@@ -229,7 +230,8 @@ class DisaggWeightTransferEngine(WeightTransferEngine[DisaggInitInfo, DisaggUpda
             log.info("[rollout] direct loads replay %d copies learned from vLLM's load_weights",
                      self._plans[self._plan_key].num_copies)
         self.last_stats.update(bytes=stats.bytes, seconds=stats.seconds, num_buckets=stats.num_buckets,
-                               num_tensors=stats.num_tensors, copy_plan=self._plan_note, **self._times)
+                               num_tensors=stats.num_tensors, copy_plan=self._plan_note,
+                               wire_start_unix_s=started + stats.header_s, **self._times)
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
@@ -279,7 +281,7 @@ class DisaggWorkerExtension:
         self.start_weight_update()
         self.update_weights(update_info)
         self.finish_weight_update()
-        return dict(self.weight_transfer_engine.last_stats, entered_unix_s=entered, left_unix_s=time.time())
+        return dict(self.weight_transfer_engine.last_stats, worker_in_unix_s=entered, worker_out_unix_s=time.time())
 
     def disagg_set_load_mode(self, mode: str) -> str:
         """``disagg bench vllm-sync``: load the next updates with ``mode`` (``transport.load``); the mode resolved."""
@@ -308,10 +310,23 @@ class DisaggWorkerExtension:
         """The weight-transfer engine vLLM's start / update / finish calls go to: "disagg" or "vllm-nccl"."""
         self.weight_transfer_engine = self._disagg_engines[name]
 
+    def disagg_ckpt_receive(self, zmq_handles: dict[str, str], timeout_s: float) -> dict[str, float]:
+        """``disagg bench vllm-sync --peer checkpoint-engine``: one update from the ParameterServer rank on this
+        GPU, loaded as checkpoint-engine's own ``VllmColocateWorkerExtension`` loads it: vLLM's ``load_weights``
+        per bucket (into the live parameters), then ``process_weights_after_loading``. Its seconds."""
+        from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+        from disagg.bench.ckpt_engine_peer import worker_receive
+
+        model = self.model_runner.model
+        return worker_receive(zmq_handles, self.device.index, model.load_weights,
+                              lambda: process_weights_after_loading(model, self.model_config, self.device), timeout_s)
+
     def disagg_raw_receive(self, nbytes: int, repeats: int) -> list[float]:
         """``disagg bench vllm-sync``: take part in ``repeats`` raw broadcasts of ``nbytes`` from the trainer
         on this worker's first transport group (the baseline of a sync's rate); each one's seconds."""
-        engine = getattr(self, "weight_transfer_engine", None)
+        # disagg's engine, also while the peer's is the one vLLM's calls go to (``disagg_peer_use``)
+        engine = getattr(self, "_disagg_engines", {}).get("disagg", getattr(self, "weight_transfer_engine", None))
         if engine is None or not engine.groups:
             raise RuntimeError("disagg_raw_receive: the worker has not joined a transport group")
         return timed_raw_broadcasts(engine.groups[0], nbytes, repeats, engine.device)

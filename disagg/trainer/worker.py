@@ -427,13 +427,33 @@ class TrainerWorker:
         return {"names": [n for n, _ in params], "dtype_names": [dtype_name(self._peer_dtype(p)) for _, p in params],
                 "shapes": [list(p.shape) for _, p in params], "packed": True}
 
+    def ckpt_init(self, host: str, port: int, world_size: int) -> None:
+        """``disagg bench vllm-sync --peer checkpoint-engine``: its ParameterServer's rank 0 in this process,
+        the owner of the weights (``disagg.bench.ckpt_engine_peer``)."""
+        from disagg.bench.ckpt_engine_peer import ParameterServerRank
+
+        self._ckpt = ParameterServerRank(host, port, 0, world_size, self.transport_cfg.timeout_s)
+
+    def ckpt_register(self, name: str) -> float:
+        """Register the parameters (in ``transport.dtype``) as checkpoint ``name``; the seconds."""
+        params = [(n, p.detach()) for n, p in self.model.named_parameters()]
+        return self._ckpt.register(name, params, self._peer_dtype(params[0][1]))
+
+    def ckpt_update(self, name: str) -> dict[str, float]:
+        """Rank 0's gather and update of checkpoint ``name`` (no inference worker on this GPU); the seconds."""
+        return self._ckpt.update(name)
+
     def manifest(self, policy_version: int) -> dict:
         """The full-tensor manifest of this model at ``policy_version`` (layout only; no collective)."""
+        return self._layout().with_version(policy_version).to_dict()
+
+    def _layout(self):
+        """The full-tensor manifest, planned at the first call (version 0; its layout never changes)."""
         from disagg.transport.sync import model_manifest
 
         if self._manifest is None:
             self._manifest = model_manifest(self.model, self.transport_cfg.bucket_bytes, 0, self.transport_cfg.dtype)
-        return self._manifest.with_version(policy_version).to_dict()
+        return self._manifest
 
     def announce(self, coordinator, policy_version: int, trainer_step: int, timeout_s: float) -> str:
         """Tell the coordinator (gRPC) that ``policy_version`` exists, with its manifest; returns its digest.
@@ -460,8 +480,7 @@ class TrainerWorker:
 
         t0 = time.perf_counter()
         wall0 = time.time()
-        self.manifest(policy_version)  # plans the layout on the first sync
-        m = self._manifest.with_version(policy_version)
+        m = self._layout().with_version(policy_version)
 
         def send(tensors: dict[str, torch.Tensor]):
             return send_model(self.group, self.model, m, source=self.transport_cfg.source, trainer_rank=self.rank,
@@ -485,7 +504,8 @@ class TrainerWorker:
         if stats is not None:
             out.update(bytes=stats.bytes, send_s=stats.seconds, num_buckets=stats.num_buckets,
                        group_bytes_sent=self.group.bytes_sent)
-        self._timeline.append(("push", policy_version, wall0, time.time()))
+        out.update(trainer_in_unix_s=wall0, trainer_out_unix_s=time.time())
+        self._timeline.append(("push", policy_version, wall0, out["trainer_out_unix_s"]))
         return out
 
     def _send_snapshot(self, policy_version: int, send):

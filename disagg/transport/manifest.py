@@ -102,10 +102,11 @@ class Manifest:
         return self._digest
 
     def with_version(self, policy_version: int) -> "Manifest":
-        """The same layout at another version (the digest carried over, not recomputed)."""
+        """The same layout at another version. The digest is computed here once, on the manifest every
+        version is made from, and carried over: hashing the layout costs about a millisecond for ~340
+        tensors, on the critical path of every sync on each side."""
         m = Manifest(policy_version, self.bucket_bytes, self.tensors, self.buckets, self.total_bytes)
-        if "_digest" in self.__dict__:
-            m.__dict__["_digest"] = self.__dict__["_digest"]
+        m.__dict__["_digest"] = self._digest
         return m
 
     def spec(self, name: str) -> TensorSpec:

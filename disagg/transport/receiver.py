@@ -35,6 +35,7 @@ class ReceiveStats:
     seconds: float  # wall time from the header to the last load
     num_buckets: int
     num_tensors: int  # tensors handed to load_fn
+    header_s: float = 0.0  # from the start to the sender's header matched: waiting for the sender
 
 
 def receive_weights(
@@ -72,9 +73,11 @@ def receive_weights(
     # buffers, and nothing is loaded before the header matched. gloo cannot drop a
     # posted receive (releasing its group waits for the op), so it checks first.
     early = group.backend == "nccl"
+    header_s = 0.0
     if not early:
         header_op.wait()
         _check_header(group, manifest, header)
+        header_s = time.perf_counter() - t0
     reassembler = Reassembler(manifest, device=device)
     slots = _slots(group, manifest, device, num_buffers)
     buckets = manifest.buckets
@@ -100,6 +103,7 @@ def receive_weights(
             # Receives of this receiver's sizes are posted: the group is out of step with the sender.
             group.abandon(str(e))
             raise
+        header_s = time.perf_counter() - t0
     staged: list[tuple[str, torch.Tensor]] = []
     corrupt: list[int] = []
     num_tensors = 0
@@ -135,7 +139,7 @@ def receive_weights(
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
     stats = ReceiveStats(bytes=sum(p.nbytes for p in buckets), seconds=time.perf_counter() - t0,
-                         num_buckets=len(buckets), num_tensors=num_tensors)
+                         num_buckets=len(buckets), num_tensors=num_tensors, header_s=header_s)
     log.debug("[transport:%s:%d] received policy_version=%d: %d tensors in %d buckets, %.1f MiB in %.3f s",
               group.name, group.rank, manifest.policy_version, num_tensors, stats.num_buckets,
               stats.bytes / 2**20, stats.seconds)

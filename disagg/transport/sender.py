@@ -183,38 +183,44 @@ class WeightSender:
         # slices), kept the same way: a bucket is packed, cast included, by one fused call.
         self._packs: dict[tuple, list[tuple[list[torch.Tensor], list[torch.Tensor]]] | None] = {}
 
-    def _flat_views(self, manifest: Manifest, named_tensors: NamedTensors) -> list[torch.Tensor] | None:
+    def _addresses(self, manifest: Manifest, named_tensors: NamedTensors) -> tuple | None:
+        """(the layout's digest, every tensor's address in manifest order): what the cached views of
+        ``_flat_views`` and ``_pack_views`` are kept by; None where the tensors are produced lazily or
+        one is missing (the full path names it)."""
+        if not isinstance(named_tensors, Mapping) or self._after_pack is not None:
+            return None
+        try:
+            return manifest.layout_digest(), tuple(named_tensors[t.name].data_ptr() for t in manifest.tensors)
+        except KeyError:
+            return None
+
+    def _flat_views(self, manifest: Manifest, named_tensors: NamedTensors,
+                    addresses: tuple | None) -> list[torch.Tensor] | None:
         """Every bucket as a view of existing memory, or None if some bucket needs packing.
 
         The check of names and shapes (``_TensorSource``) and the view building run on
         the first sync of a layout; later syncs only compare the tensors' addresses.
         """
-        if not isinstance(named_tensors, Mapping) or self._after_pack is not None:
+        if addresses is None:
             return None
-        try:
-            key = (manifest.layout_digest(), tuple(named_tensors[t.name].data_ptr() for t in manifest.tensors))
-        except KeyError:
-            return None  # the full path names the missing tensor
+
         def build():
             source = _TensorSource(manifest, named_tensors)
             views = [contiguous_bucket(plan, source.take(plan)) for plan in manifest.buckets]
             return None if any(v is None for v in views) else views
 
-        return _kept(self._views, key, build)
+        return _kept(self._views, addresses, build)
 
-    def _pack_views(self, manifest: Manifest, named_tensors: NamedTensors,
+    def _pack_views(self, manifest: Manifest, named_tensors: NamedTensors, addresses: tuple | None,
                     slots: list[dict[str, torch.Tensor]]) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]] | None:
         """Per bucket, (destinations in its slot's buffer, sources), or None where the tensors are
         produced lazily or not contiguous (packed entry by entry then)."""
-        if not isinstance(named_tensors, Mapping) or self._after_pack is not None:
+        if addresses is None:
             return None
-        try:
-            tensors = [named_tensors[t.name] for t in manifest.tensors]
-        except KeyError:
-            return None  # the full path names the missing tensor
-        key = (manifest.layout_digest(), tuple(t.data_ptr() for t in tensors),
-               tuple(b.data_ptr() for slot in slots for b in slot.values()))
+        key = (*addresses, tuple(b.data_ptr() for slot in slots for b in slot.values()))
+
         def build():
+            tensors = [named_tensors[t.name] for t in manifest.tensors]
             if not all(t.is_contiguous() for t in tensors):
                 return None
             source = _TensorSource(manifest, named_tensors)  # checks names and shapes
@@ -249,9 +255,10 @@ class WeightSender:
         if (named_tensors is None) == (fill is None):
             raise ValueError("WeightSender.send needs exactly one of named_tensors and fill")
         t0 = time.perf_counter()
-        views = self._flat_views(manifest, named_tensors) if fill is None else None
+        addresses = self._addresses(manifest, named_tensors) if fill is None else None
+        views = self._flat_views(manifest, named_tensors, addresses)
         slots = self._buffers(manifest, fill.slack if fill is not None else 0) if views is None else []
-        packs = self._pack_views(manifest, named_tensors, slots) if fill is None and views is None else None
+        packs = self._pack_views(manifest, named_tensors, addresses, slots) if views is None else None
         source = _TensorSource(manifest, named_tensors) if fill is None and views is None and packs is None else None
         header = torch.tensor(header_for(manifest), dtype=torch.int64, device=self.group.device)
         # Not waited for here: the buckets queue behind it on the wire (ops complete in order).

@@ -324,7 +324,8 @@ def receive_model(groups: list[TransportGroup], full: Manifest, load_fn: LoadFn,
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
     return ReceiveStats(bytes=sum(s.bytes for s in stats), seconds=time.perf_counter() - t0,
-                        num_buckets=sum(s.num_buckets for s in stats), num_tensors=len(full.tensors))
+                        num_buckets=sum(s.num_buckets for s in stats), num_tensors=len(full.tensors),
+                        header_s=max(s.header_s for s in stats))
 
 
 def source_groups_needed(source: str, num_trainer_ranks: int) -> int:

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from disagg.bench.vllm_sync import SEQUENTIAL, resolve_options, summarise
+from disagg.rollout.types import TIMELINE, SyncReport, sync_timeline
 
 
 def test_options_pick_both_load_modes_and_a_gpu_preset_on_cuda_and_refuse_direct_on_cpu():
@@ -43,6 +44,18 @@ def test_summary_takes_medians_and_the_driver_share_is_what_no_engine_phase_cove
     assert "peer" not in out
 
 
+def test_a_syncs_timeline_places_each_partys_clock_readings_after_the_announce_latest_party_first():
+    sent = [{"trainer_in_unix_s": 100.002, "trainer_out_unix_s": 100.020},
+            {"trainer_in_unix_s": 100.004, "trainer_out_unix_s": 100.018}]
+    received = [SyncReport(0, 3, 1, 1, 1, 0.0, 0.0, stamps={"engine_in": 100.001, "wire_start": 100.006}),
+                SyncReport(1, 3, 1, 1, 1, 0.0, 0.0, stamps={"engine_in": 100.003, "wire_start": 100.005})]
+    t = sync_timeline(100.0, 0.025, sent, received)
+    assert list(t) == ["trainer_in", "engine_in", "wire_start", "trainer_out", "done"]  # TIMELINE's order
+    assert t == pytest.approx({"trainer_in": 0.004, "engine_in": 0.003, "wire_start": 0.006, "trainer_out": 0.020,
+                               "done": 0.025})
+    assert sync_timeline(100.0, 0.01, [{}], []) == {"done": 0.01}  # nothing stamped: only the driver's
+
+
 def test_summary_puts_the_peer_against_the_fastest_mode():
     runs = {mode: [{"seconds": s, "send_s": 0.0, "phases": {}} for s in secs]
             for mode, secs in (("direct", (0.02, 0.01, 0.03)), ("layerwise", (0.2, 0.3, 0.25)))}
@@ -72,6 +85,13 @@ def test_bench_vllm_sync_times_a_raw_broadcast_and_each_syncs_phases(tmp_path):
         assert sum(p.get(k, 0.0) for k in SEQUENTIAL) <= run["seconds"], run
         # the update call's ends, stamped by the worker, lie inside it
         assert 0 <= p["rpc_in_s"] + p["worker_receive_s"] + p["rpc_out_s"] <= p["update_s"] + 0.002, p
+        # every party's events on the driver's timeline, in the order a sync makes them (one host's clock)
+        t = run["timeline"]
+        order = [t[k] for k in ("engine_in", "update_call", "worker_in", "wire_start", "worker_out", "update_return",
+                                "engine_out", "done")]
+        assert order == sorted(order) and order[0] > 0, t
+        assert t["trainer_in"] <= t["wire_start"] + 0.002 and t["wire_start"] < t["trainer_out"] <= t["done"], t
     m = r["modes"]["layerwise"]
     assert m["raw_vs_sync"] == pytest.approx(r["raw_s"] / m["seconds"])
-    assert "raw broadcast, same group" in proc.stdout and "load=layerwise" in proc.stdout
+    assert list(m["timeline"]) == [k for k in TIMELINE if k in m["timeline"]] and m["timeline"]["done"] == m["seconds"]
+    assert "raw broadcast, same group" in proc.stdout and "load=layerwise" in proc.stdout and "wire_start" in proc.stdout
