@@ -190,8 +190,10 @@ class Job:
             self._manifest = self.trainer.manifest(policy_version)
         manifest = self._manifest.with_version(policy_version)
         self.coordinator.state.announce_version(manifest, trainer_step)
-        pushes = self.trainer.push_weights_async(policy_version, from_snapshot)
+        # The engines first: their way onto the group (the actor, then vLLM's engine core into its
+        # worker) is longer than the trainer's, and the wire starts when the last party is on it.
         receives = self.rollout.receive_weights_async(policy_version, digest=manifest.layout_digest(), ack=False)
+        pushes = self.trainer.push_weights_async(policy_version, from_snapshot)
         return PendingSync(policy_version, t0, pushes + receives, len(pushes), tuple(self.rollout.engine_ids),
                            from_snapshot=from_snapshot, wall0=wall0)
 

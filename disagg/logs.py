@@ -66,13 +66,17 @@ def ray_get_logged(refs: Any, *, what: str, timeout_s: float, log: logging.Logge
     start = time.monotonic()
     while True:
         left = timeout_s - (time.monotonic() - start)
-        ready, not_ready = ray.wait(pending, num_returns=len(pending), timeout=max(0.0, min(interval_s, left)))
-        if not not_ready:
-            out = ray.get(pending)
+        try:  # one call when everything comes within the interval (a sync's critical path)
+            out = ray.get(pending, timeout=max(0.0, min(interval_s, left)))
             return out[0] if single else out
+        except ray.exceptions.GetTimeoutError:
+            pass
+        ready, not_ready = ray.wait(pending, num_returns=len(pending), timeout=0)
         # Surface an actor failure early instead of waiting on its siblings.
         for r in ready:
             ray.get(r)
+        if not not_ready:
+            continue
         if time.monotonic() - start >= timeout_s:
             raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what} ({len(not_ready)} of {len(pending)} pending)")
         log.info("still waiting for %s: %d of %d pending after %.0fs", what, len(not_ready), len(pending), time.monotonic() - start)
