@@ -15,6 +15,9 @@ from typing import Any, Awaitable, TypeVar
 T = TypeVar("T")
 
 _FMT = "%(asctime)s %(levelname)s [%(role)s] %(name)s: %(message)s"
+# Libraries that log a line per request at INFO (the agent runners' OpenAI client logs every
+# completion through httpx): on the console only their warnings, unless the level is DEBUG.
+PER_REQUEST_LOGGERS = ("httpx", "httpx2", "httpcore", "openai", "urllib3")
 
 
 class _RoleFilter(logging.Filter):
@@ -39,6 +42,9 @@ def setup_logging(role: str, level: str | int = "INFO") -> None:
         h.addFilter(_RoleFilter(role))
         h.setFormatter(logging.Formatter(_FMT, datefmt="%H:%M:%S"))
     logging.getLogger("disagg").setLevel(level)
+    quiet = logging.WARNING if logging.getLogger().getEffectiveLevel() > logging.DEBUG else logging.NOTSET
+    for name in PER_REQUEST_LOGGERS:
+        logging.getLogger(name).setLevel(quiet)
 
 
 async def await_logged(aw: Awaitable[T], *, what: str, timeout_s: float, log: logging.Logger,
