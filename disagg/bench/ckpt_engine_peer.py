@@ -201,14 +201,13 @@ class ParameterServerRank:
         t1 = time.perf_counter()
         try:
             self.ps.update(name, req_func, timeout=timedelta(seconds=self.timeout_s))
-        except Exception as e:
-            if failed:
-                raise TransportError(f"checkpoint-engine rank {self.rank}: the inference side failed: "
-                                     f"{failed[0]!r}") from failed[0]
-            if isinstance(e, zmq.ZMQError):
+        except zmq.ZMQError as e:
+            if not failed:  # else the inference side's own error, below, is the cause
                 raise TransportError(f"checkpoint-engine rank {self.rank}: the exchange with the inference side "
                                      f"failed ({e}; waits end after {self.timeout_s:.0f}s)") from e
-            raise
+        except Exception:
+            if not failed:
+                raise
         if failed:
             raise TransportError(f"checkpoint-engine rank {self.rank}: the inference side failed: "
                                  f"{failed[0]!r}") from failed[0]

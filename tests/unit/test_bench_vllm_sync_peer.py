@@ -111,16 +111,22 @@ def _run(target, *args):
     return t, errors
 
 
-def test_rank_zeros_sink_answers_the_parameter_servers_exchange_and_releases_the_buffer_once():
+def _parameter_server_with_sink():
+    """The ParameterServer's side of rank 0's exchange (a bound REQ socket, as ``ps._bind_zmq_socket``
+    makes it) and the sink answering it on a thread: (context, socket, thread, the thread's errors)."""
     zmq = pytest.importorskip("zmq")
-    import torch
-
-    _Storage.released.clear()
     path = f"ipc://@disagg-test-sink-{uuid.uuid4().hex}.sock"
     ctx = ckpt_engine_peer._bound(zmq.Context(), 5.0)
     req = ctx.socket(zmq.REQ)
     req.bind(path)
-    t, errors = _run(ckpt_engine_peer.sink, path, 5.0)
+    return (ctx, req, *_run(ckpt_engine_peer.sink, path, 5.0))
+
+
+def test_rank_zeros_sink_answers_the_parameter_servers_exchange_and_releases_the_buffer_once():
+    import torch
+
+    _Storage.released.clear()
+    ctx, req, t, errors = _parameter_server_with_sink()
     try:
         # ps._update_per_bucket, rank 0, two buckets: the handle, each bucket's tensors, None, None
         req.send_pyobj(_handle())
@@ -142,13 +148,7 @@ def test_rank_zeros_sink_answers_the_parameter_servers_exchange_and_releases_the
 
 
 def test_the_sink_raises_what_the_parameter_server_gives_up_with_and_times_out_alone():
-    zmq = pytest.importorskip("zmq")
-
-    path = f"ipc://@disagg-test-sink-{uuid.uuid4().hex}.sock"
-    ctx = ckpt_engine_peer._bound(zmq.Context(), 5.0)
-    req = ctx.socket(zmq.REQ)
-    req.bind(path)
-    t, errors = _run(ckpt_engine_peer.sink, path, 5.0)
+    ctx, req, t, errors = _parameter_server_with_sink()
     try:
         req.send_pyobj(_handle())
         assert req.recv() == b""
