@@ -37,3 +37,7 @@ class SandboxError(DisaggError):
 
 class ChecksumError(TransportError):
     """A received bucket's checksum differs from the sender's; the version was not loaded."""
+
+
+class SyncCancelled(DisaggError):
+    """An armed receive was called off by the sender before any byte moved; the weights are unchanged."""

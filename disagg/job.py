@@ -34,10 +34,22 @@ class SyncStats:
     num_buckets: int
     engine_phases: dict[str, float] = field(default_factory=dict)  # each phase's seconds, the slowest engine's
     timeline: dict[str, float] = field(default_factory=dict)  # each event's seconds after the announce (TIMELINE)
+    armed: bool = False  # the engines' receives waited on the group before the announce (Job.arm_sync)
 
     @property
     def gb_per_s(self) -> float:
         return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+@dataclass
+class ArmedReceive:
+    """Engines waiting on the transport group for a version the trainer does not hold yet (``Job.arm_sync``)."""
+
+    arm_id: int
+    policy_version: int
+    refs: list  # every engine's receive
+    engine_ids: tuple[int, ...]
+    epoch: int  # the transport group's; a rebuilt group ends the wait
 
 
 @dataclass
@@ -50,6 +62,7 @@ class PendingSync:
     pushed: bool | None = None  # the trainer's side finished without error (None: not known yet)
     from_snapshot: bool = False  # sent from a copy: the trainer may train while it runs
     wall0: float = 0.0  # the announce's unix time (the parties' clock readings are placed after it)
+    armed: bool = False  # the engines' receives were waiting on the group before the announce (Job.arm_sync)
 
     @property
     def engine_refs(self) -> dict[int, object]:
@@ -60,6 +73,12 @@ class PendingSync:
     def trainer_refs(self) -> list:
         """The trainer ranks' pushes: once done, the trainer may change its weights again."""
         return self.refs[: self.num_trainer_refs]
+
+
+def _any_done(refs: list) -> bool:
+    import ray
+
+    return bool(refs) and bool(ray.wait(refs, num_returns=1, timeout=0)[0])
 
 
 class Job:
@@ -77,6 +96,8 @@ class Job:
         self.transport_epoch = 0
         self.engine_start_s: list[float] = []
         self._manifest = None  # the trainer's manifest (asked of it at the first sync)
+        self.armed: ArmedReceive | None = None
+        self._arm_ids = 0
 
     @classmethod
     def start(cls, cfg: Config, run_dir: Path, model_path: Path | str) -> "Job":
@@ -151,6 +172,7 @@ class Job:
         """(Re)build the transport groups: one per sending trainer rank, each with every engine worker."""
         from disagg.transport.sync import source_groups_needed
 
+        self.disarm()  # an armed receive waits on the group being replaced
         self.transport_epoch += 1
         t = self.cfg.transport.timeout_s
         n_groups = source_groups_needed(self.cfg.transport.source, self.cfg.trainer.num_workers)
@@ -176,6 +198,38 @@ class Job:
         """Announce ``policy_version`` and broadcast it to every engine; returns when all acked."""
         return self.finish_sync(self.start_sync(policy_version, trainer_step))
 
+    def arm_sync(self, policy_version: int, timeout_s: float) -> None:
+        """Put every engine's receive of ``policy_version`` on the transport group now, before the trainer
+        has the version (while the engines would be idle: a sync loop's train step). The engine stops
+        its steps while it waits (``timeout_s`` at most; the trainer dying ends it), and a call into vLLM's
+        engine core (a version query, a generation) waits behind it until the sync. ``start_sync``
+        of that version then only wakes them through the group: no Ray or vLLM dispatch between the
+        announce and the wire. ``disarm`` calls it off."""
+        if self.armed is not None:
+            raise TransportError(f"an armed receive (version {self.armed.policy_version}) is already waiting")
+        if self._manifest is None:
+            self._manifest = self.trainer.manifest(policy_version)
+        self._arm_ids += 1
+        refs = self.rollout.receive_weights_async(policy_version, digest=self._manifest.layout_digest(), ack=False,
+                                                  arm_id=self._arm_ids, arm_timeout_s=timeout_s)
+        self.armed = ArmedReceive(self._arm_ids, policy_version, refs, tuple(self.rollout.engine_ids),
+                                  self.transport_epoch)
+
+    def disarm(self, timeout_s: float | None = None) -> None:
+        """Call off the armed receive, if any: the trainer tells the engines, which return having loaded
+        nothing. A party that cannot be told (dead, its group gone) is left to its own timeout."""
+        armed, self.armed = self.armed, None
+        if armed is None:
+            return
+        timeout_s = self.cfg.transport.timeout_s if timeout_s is None else timeout_s
+        try:
+            ray_get_logged(self.trainer.disarm_async(armed.arm_id), what=f"calling off armed receive {armed.arm_id}",
+                           timeout_s=timeout_s, log=log)
+            ray_get_logged(armed.refs, what=f"armed receive {armed.arm_id} to return", timeout_s=timeout_s, log=log)
+        except Exception as e:  # noqa: BLE001 - a dead party is the caller's to handle: the next sync finds it
+            log.warning("armed receive of version %d not called off cleanly: %s", armed.policy_version,
+                        str(e).splitlines()[0][:300])
+
     def start_sync(self, policy_version: int, trainer_step: int, from_snapshot: bool = False) -> "PendingSync":
         """Announce ``policy_version`` and start its broadcast; engines keep generating until they
         receive (each pauses its in-flight requests only while it loads). ``finish_sync`` waits.
@@ -184,18 +238,33 @@ class Job:
         One message per party: the coordinator lives in this process, so the version is announced
         to it directly, with the trainer's manifest (asked of it once: its layout never changes);
         each engine is told the layout's digest, and fetches the manifest only when it does not
-        hold that layout yet; the engines' acks come back with their reports (``finish_sync``)."""
+        hold that layout yet; the engines' acks come back with their reports (``finish_sync``). Where
+        the engines' receives of this version are armed (``arm_sync``), only the trainer is called."""
         t0, wall0 = time.perf_counter(), time.time()
         if self._manifest is None:
             self._manifest = self.trainer.manifest(policy_version)
         manifest = self._manifest.with_version(policy_version)
-        self.coordinator.state.announce_version(manifest, trainer_step)
-        # The engines first: their way onto the group (the actor, then vLLM's engine core into its
-        # worker) is longer than the trainer's, and the wire starts when the last party is on it.
-        receives = self.rollout.receive_weights_async(policy_version, digest=manifest.layout_digest(), ack=False)
-        pushes = self.trainer.push_weights_async(policy_version, from_snapshot)
+        try:
+            self.coordinator.state.announce_version(manifest, trainer_step)  # may refuse it: before any byte moves
+        except BaseException:
+            self.disarm()
+            raise
+        armed = self.armed
+        if armed is not None and ((armed.policy_version, armed.engine_ids, armed.epoch) != (
+                policy_version, tuple(self.rollout.engine_ids), self.transport_epoch) or _any_done(armed.refs)):
+            self.disarm()  # armed for another version or other engines, or a receive ended (failed) meanwhile
+            armed = None
+        self.armed = None
+        if armed is not None:  # the engines wait on the group: the trainer's push wakes them
+            pushes = self.trainer.push_weights_async(policy_version, from_snapshot, armed.arm_id)
+            receives = armed.refs
+        else:
+            # The engines first: their way onto the group (the actor, then vLLM's engine core into its
+            # worker) is longer than the trainer's, and the wire starts when the last party is on it.
+            receives = self.rollout.receive_weights_async(policy_version, digest=manifest.layout_digest(), ack=False)
+            pushes = self.trainer.push_weights_async(policy_version, from_snapshot)
         return PendingSync(policy_version, t0, pushes + receives, len(pushes), tuple(self.rollout.engine_ids),
-                           from_snapshot=from_snapshot, wall0=wall0)
+                           from_snapshot=from_snapshot, wall0=wall0, armed=armed is not None)
 
     def finish_sync(self, pending: "PendingSync") -> SyncStats:
         """Wait for every party of a started sync; one TransportError naming each failed party."""
@@ -226,7 +295,7 @@ class Job:
         seconds = time.perf_counter() - pending.t0
         return SyncStats(pending.policy_version, sum(int(o["bytes"]) for o in sent), seconds,
                          max(float(o.get("send_s", 0.0)) for o in sent), sum(int(o["num_buckets"]) for o in sent),
-                         phases, sync_timeline(pending.wall0, seconds, sent, received))
+                         phases, sync_timeline(pending.wall0, seconds, sent, received), pending.armed)
 
     def _sync_failures(self, refs: list, names: list[str], first: Exception) -> str:
         """What each party of a failed sync reported (its peers fail within the transport timeout)."""
@@ -285,6 +354,8 @@ class Job:
         return path
 
     def shutdown(self) -> None:
+        if self.armed is not None and self.trainer is not None:
+            self.disarm(timeout_s=10.0)  # the engines' workers return before their actors are stopped
         if self.rollout is not None:
             self.rollout.shutdown()
         if self.trainer is not None:

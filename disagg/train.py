@@ -84,6 +84,7 @@ def run(cfg: Config, run_dir: Path) -> Path:
     from transformers import AutoTokenizer
 
     faults.arm_from_env()
+    get_reward(cfg.reward.name, cfg.reward.path)  # an unknown reward: a ConfigError (exit 2) before Ray starts
     resume = load_resume(cfg) if cfg.resume else None
     if resume is not None:
         if resume.run_dir is None:

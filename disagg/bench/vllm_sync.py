@@ -12,6 +12,11 @@ untimed syncs first: a direct load learns its copy plan in the first) and then f
   <load>     a sync of the next policy version in that mode (``transport.load``: direct, layerwise),
              from the announce to every engine serving it (acknowledged) - what the loop waits
              for - with each phase's seconds as the engine actor and vLLM's worker saw them
+  <load>, armed  the same, with every engine's receive put on the group before the announce
+             (``Job.arm_sync``, as the loop does when the engines are idle during a train step): the
+             announce only tells the trainer, whose push wakes the waiting workers through the group's
+             store; also reported: the trainer's push starting -> the last engine serving, which no
+             driver, Ray or engine-core hop is part of
   <peer>     with ``--peer vllm-nccl``: the same bytes into the same engine through vLLM's own NCCL
              weight-transfer engine (packed, its default 1 GiB x 2 buffers), as its users drive it:
              the trainer's ``trainer_send_weights`` beside ``AsyncLLM``'s start / update / finish
@@ -53,6 +58,7 @@ PHASES = {  # engine phase key -> what it is (the order of a sync)
     "reset_cache_s": "reset_prefix_cache, beside the update (from its call)",
     "resume_s": "resume (when paused)",
     "ack_s": "coordinator ack (an engine acking itself)",
+    "armed_wait_s": "armed: the worker waiting on the group for the trainer (before the announce; not in update_s)",
     "worker_receive_s": "worker: receive loop (wire + loads)",
     "worker_load_s": "worker: loads (copy plan, or vLLM load_weights)",
     "worker_reload_init_s": "worker: initialize_layerwise_reload",
@@ -75,6 +81,7 @@ class VllmSyncOptions:
     log_level: str = "WARNING"
     overrides: tuple[str, ...] = ()
     peer: str | None = None  # vllm-nccl | checkpoint-engine: another route into the same engine (GPUs)
+    armed: bool = True  # each load mode also with the engines' receives armed before the announce
 
 
 def resolve_options(given: dict[str, Any], gpus: int) -> VllmSyncOptions:
@@ -125,6 +132,10 @@ def summarise(raw_s: list[float], syncs: dict[str, list[dict[str, Any]]],
             "timeline": {k: statistics.median(r["timeline"][k] for r in runs)
                          for k in TIMELINE if all(k in r.get("timeline", {}) for r in runs)},
         }
+        if all({"trainer_in", "worker_out"} <= set(r.get("timeline", {})) for r in runs):
+            # the parties' own clocks (one host): no driver, Ray or engine-core hop in it when armed
+            out["modes"][mode]["push_to_serving_s"] = statistics.median(
+                r["timeline"]["worker_out"] - r["timeline"]["trainer_in"] for r in runs)
     return out
 
 
@@ -163,7 +174,8 @@ def run(o: VllmSyncOptions) -> dict[str, Any]:
                               "on the wire")
         raw_s: list[float] = []
         peer_s: list[float] = []
-        syncs: dict[str, list[dict[str, Any]]] = {m: [] for m in o.loads}
+        blocks = [(m, armed) for m in o.loads for armed in ((False, True) if o.armed else (False,))]
+        syncs: dict[str, list[dict[str, Any]]] = {_label(m, a): [] for m, a in blocks}
         resolved = {}
         peer_info = _peer_init(job, cfg, o.peer) if o.peer else None
 
@@ -174,18 +186,22 @@ def run(o: VllmSyncOptions) -> dict[str, Any]:
 
         # Each mode in a block of its own (a direct load replays its copy plan from the second sync of
         # a block on: the first learns it), each timed sync beside a raw broadcast of the same bytes.
-        for mode in o.loads:
+        for mode, armed in blocks:
+            label = _label(mode, armed)
             resolved[mode] = ray.get([e.set_load_mode.remote(mode) for e in engines], timeout=60)[0]
             for i in range(o.warmup + o.repeats):
                 r = raw()
                 version += 1
+                if armed:  # the engines get on the group while the trainer "trains" (not timed)
+                    job.arm_sync(version, timeout_s=cfg.transport.timeout_s)
+                    time.sleep(_ARM_SETTLE_S)
                 s = job.sync_weights(version, trainer_step=version - 1)
                 plan = ray.get(engines[0].get_transfer_stats.remote(), timeout=60).get("copy_plan", "")
                 if i >= o.warmup:
                     raw_s.append(r)
-                    syncs[mode].append({"seconds": s.seconds, "send_s": s.send_s, "phases": s.engine_phases,
-                                        "timeline": s.timeline, "copy_plan": plan})
-                log.warning("%s %d/%d: raw %.4f s, sync %.4f s (%s)", mode, i + 1, o.warmup + o.repeats, r,
+                    syncs[label].append({"seconds": s.seconds, "send_s": s.send_s, "phases": s.engine_phases,
+                                         "timeline": s.timeline, "copy_plan": plan})
+                log.warning("%s %d/%d: raw %.4f s, sync %.4f s (%s)", label, i + 1, o.warmup + o.repeats, r,
                             s.seconds, plan or "loader")
         peer_runs: list[dict[str, float]] = []
         if o.peer == "vllm-nccl":  # vLLM's calls go to its own engine for the peer's block (not timed)
@@ -206,6 +222,13 @@ def run(o: VllmSyncOptions) -> dict[str, Any]:
         job.shutdown()
         ray.shutdown()
     return report
+
+
+_ARM_SETTLE_S = 0.3  # an armed receive's way onto the group (milliseconds; a train step is longer)
+
+
+def _label(mode: str, armed: bool) -> str:
+    return f"{mode}, armed" if armed else mode
 
 
 def _peer_init(job, cfg, peer: str) -> dict[str, Any]:
@@ -271,6 +294,10 @@ def render(report: dict[str, Any]) -> None:
         table.add_row(f"sync, load={mode}: announce -> serving", f"{m['seconds']:.4f}", f"{gb / m['seconds']:.2f}",
                       f"{m['raw_vs_sync']:.2f}")
         table.add_row("  fixed cost (sync - raw)", f"{m['fixed_s']:.4f}", "", "")
+        if "push_to_serving_s" in m:
+            table.add_row("  the trainer's push starting -> the last engine serving (their clocks)",
+                          f"{m['push_to_serving_s']:.4f}", f"{gb / m['push_to_serving_s']:.2f}",
+                          f"{report['raw_s'] / m['push_to_serving_s']:.2f}")
         table.add_row("  trainer send", f"{m['send_s']:.4f}", "", "")
         table.add_row("  driver: announce, Ray dispatch and results", f"{m['driver_s']:.4f}", "", "")
         for k, v in m["phases"].items():
@@ -307,6 +334,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--log-level", default="WARNING")
     p.add_argument("--peer", default=None, choices=tuple(PEERS),
                    help="also sync the same bytes into the same engine through this peer (GPUs)")
+    p.add_argument("--no-armed", dest="armed", action="store_false",
+                   help="skip the blocks with the engines' receives armed before the announce")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the report as JSON")
     p.add_argument("overrides", nargs="*", metavar="key=value",
                    help="`disagg train` overrides (e.g. shape=qwen2.5-1.5b cluster=gpu)")

@@ -15,6 +15,11 @@ from disagg.config.schema import ClusterConfig, Config
 from disagg.errors import ConfigError
 
 
+# The floating dtypes the transport can put on the wire (disagg.transport.manifest.DTYPE_BYTES;
+# tests/unit/test_config.py holds the two together).
+WIRE_DTYPES = ("bfloat16", "float16", "float32", "float64")
+
+
 def _check(cond: bool, msg: str) -> None:
     if not cond:
         raise ConfigError(msg)
@@ -74,6 +79,9 @@ def validate(cfg: Config, mode: str = "train") -> Config:
            f"{r.gpus_per_engine:g}: the trainer and the engines may share a GPU, and NCCL puts one rank per GPU; "
            "use transport.backend=gloo (or auto)")
     _check(tr.max_sync_retries >= 0, f"transport.max_sync_retries={tr.max_sync_retries}: must be >= 0")
+    _check(tr.dtype is None or tr.dtype in WIRE_DTYPES,
+           f"transport.dtype={tr.dtype!r}: must be null (the trainer's dtype) or one of {', '.join(WIRE_DTYPES)}")
+    _check_strings(cfg)
     _check(0 < a.clip_eps < 1, f"algorithm.clip_eps={a.clip_eps}: must be in (0, 1)")
     _check(a.kl_coef >= 0, f"algorithm.kl_coef={a.kl_coef}: must be >= 0")
     _check(0 < r.top_p <= 1, f"rollout.top_p={r.top_p}: must be in (0, 1]")
@@ -215,6 +223,40 @@ def _check_cluster_placement(c: ClusterConfig) -> None:
                    f"{key}={list(nodes)}: {node!r} is neither a node IP nor a Ray node id (56 hex digits, "
                    "`ray list nodes`)")
         _check(len(set(nodes)) == len(nodes), f"{key}={list(nodes)}: a node is listed twice")
+
+
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+_ENGINE_DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float")  # vLLM's --dtype
+_HOSTNAME = re.compile(r"(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*")
+
+
+def _check_strings(cfg: Config) -> None:
+    """Keys whose type is a string but whose values are few or shaped: one row each."""
+    r, c, lg = cfg.rollout, cfg.control, cfg.logging
+    rows = [
+        ("rollout.dtype", r.dtype, r.dtype in _ENGINE_DTYPES, f"one of {', '.join(_ENGINE_DTYPES)}"),
+        ("rollout.vllm_log_level", r.vllm_log_level, r.vllm_log_level in _LOG_LEVELS, f"one of {', '.join(_LOG_LEVELS)}"),
+        ("logging.level", lg.level, lg.level in _LOG_LEVELS, f"one of {', '.join(_LOG_LEVELS)}"),
+        ("rollout.api_host", r.api_host, r.api_host == "node" or _is_host(r.api_host),
+         "'node', an IP address or a host name"),
+        ("control.host", c.host, _is_host(c.host), "an IP address or a host name"),
+        ("rollout.served_model_name", r.served_model_name, bool(r.served_model_name.strip()), "a non-empty name"),
+        ("data.prompt_key", cfg.data.prompt_key, bool(cfg.data.prompt_key.strip()), "a non-empty column name"),
+        ("logging.project", lg.project, bool(lg.project.strip()), "a non-empty name"),
+        ("reward.path", cfg.reward.path, cfg.reward.path is None or _is_module_function(cfg.reward.path),
+         "null or 'module:function'"),
+    ]
+    for key, value, ok, want in rows:
+        _check(ok, f"{key}={value!r}: must be {want}")
+
+
+def _is_host(text: str) -> bool:
+    return _is_ip(text) or _HOSTNAME.fullmatch(text) is not None
+
+
+def _is_module_function(text: str) -> bool:
+    module, _, func = text.partition(":")
+    return bool(module) and func.isidentifier() and all(p.isidentifier() for p in module.split("."))
 
 
 def _is_ip(text: str) -> bool:

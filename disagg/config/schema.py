@@ -195,6 +195,11 @@ class TransportConfig:
     thread of its own while the next step trains. Costs one more copy of the (local) parameters
     on each trainer worker; not with ``source=gather`` over several workers (the gather is a
     collective of the trainer ranks), which then pushes between steps as with false."""
+    arm: bool = True
+    """With ``algorithm.max_staleness`` = 0 (the engines idle while the trainer trains): every engine's
+    receive of the coming version waits on the transport group during the train step, so the sync
+    is the trainer's push waking them through the group's store and the wire, with no Ray or vLLM
+    dispatch after the step. Called off (the engines load nothing) when engines join or leave."""
 
 
 @dataclass(frozen=True)

@@ -325,6 +325,10 @@ class EngineFleet:
             self.state.set_scale_target(self.active(), f"engine {eid} died and is not replaced")
 
     # ---- membership changes at a sync ------------------------------------------------------------
+    def changes_pending(self) -> bool:
+        """Whether the next sync may change the members (engines to join, draining or dead ones)."""
+        return bool(self.joining or self.draining or any(eid in self.died for eid in self.pool.engine_ids))
+
     def change_at_sync(self, version: int, rebuild: bool) -> None:
         """At this point between syncs, before the sync of ``version``: started engines join the
         transport group and drained ones leave it (one rebuild, a new epoch); ``rebuild``: the last

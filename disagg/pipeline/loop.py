@@ -208,6 +208,7 @@ class Pipeline:
         samples = [s for g in batch for s in g.samples]
         self.last_batch, self.last_groups = samples, batch
         self.train_refs = self.job.trainer.train_step_async(samples, self.sync.snapshot_for(self.version, limit))
+        self.sync.arm(self.version + 1, limit, engines_idle=self.gen.inflight() == 0 and not self.gen.again)
 
     def _wait(self, paused: bool, limit: int) -> list:
         """The refs that finished (empty after a quiet second); progress lines while nothing happens,

@@ -127,6 +127,7 @@ class StepRecorder:
             "weight_sync/bytes": sync.bytes,
             "weight_sync/gb_per_s": sync.gb_per_s,
             "weight_sync/send_s": sync.send_s,
+            "weight_sync/armed": int(sync.armed),
             **{f"weight_sync/engine_{k}": v for k, v in sync.engine_phases.items()},
             "timing/step_s": step_s,
             **{f"train/{k}": v for k, v in record.train.items()},

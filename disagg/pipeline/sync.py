@@ -81,6 +81,16 @@ class SyncController:
                 p.pushed = False
         return bool(p.pushed)
 
+    def arm(self, version: int, limit: int, engines_idle: bool) -> None:
+        """A train step that makes ``version`` started. At staleness 0 the engines have nothing to generate
+        until its weights arrive: their receives wait on the transport group meanwhile (``transport.arm``,
+        ``Job.arm_sync``), so its sync starts with no dispatch to them. Not while anything else is to
+        happen at that sync (engines joining or leaving, a rebuild, a sync still going)."""
+        if not (self.cfg.transport.arm and limit == 0 and engines_idle and self.idle and not self.rebuild
+                and not self.fleet.changes_pending()):
+            return
+        self.job.arm_sync(version, timeout_s=self.cfg.cluster.actor_timeout_s + self.cfg.transport.timeout_s)
+
     def trained(self, record: StepRecord) -> None:
         """A train step finished: its weights go out once the previous sync is done."""
         self.queued = record

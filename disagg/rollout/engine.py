@@ -255,7 +255,7 @@ class EngineActor:
         await self._engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info))
 
     async def receive_weights(self, policy_version: int, manifest: dict | None = None, digest: str | None = None,
-                              ack: bool = True) -> SyncReport:
+                              ack: bool = True, arm_id: int = 0, arm_timeout_s: float = 0.0) -> SyncReport:
         """Take ``policy_version`` off the wire (concurrently with the trainer's send).
 
         The manifest: ``manifest`` if given, else the one this engine holds when its layout digest is
@@ -266,21 +266,30 @@ class EngineActor:
         reused: this actor's requests are salted by version, and vLLM's prefix cache is cleared when
         requests through the OpenAI server (not salted) came since it last was. ``ack``: tell the
         coordinator this engine serves the version (a driver in the coordinator's process acks from
-        the report instead, sparing a call).
+        the report instead, sparing a call). ``arm_id``: an armed receive, made before the trainer has
+        the version: the worker waits on the transport group, ready, until the trainer's push says go
+        (within ``arm_timeout_s``), so the sync then costs the wire and nothing of Ray's or vLLM's
+        dispatch; called off by the trainer, it returns a report with ``cancelled`` set.
         """
         t0 = time.perf_counter()
         stamps = {"engine_in": time.time()}
         phases: dict[str, float] = {}
         self._not_loading.clear()  # before the first await: a request arriving from now on waits
         try:
-            m, recv_s, stats = await self._load(policy_version, manifest, digest, phases, stamps)
+            m, recv_s, stats = await self._load(policy_version, manifest, digest, phases, stamps, arm_id,
+                                                arm_timeout_s)
         finally:
             self._not_loading.set()
         self._report_state("READY")
-        if ack and self._coord is not None:
+        cancelled = str(stats.get("cancelled") or "")
+        if ack and self._coord is not None and not cancelled:
             t1 = time.perf_counter()
             await self._control_call(self._coord.ack_version, self.engine_id, policy_version, m.layout_digest())
             phases["ack_s"] = time.perf_counter() - t1
+        waited = float(stats.get("armed_wait_s", 0.0))  # an armed receive's wait came before the announce
+        if waited:
+            phases["armed_wait_s"] = waited
+            phases["update_s"] = max(0.0, phases.get("update_s", 0.0) - waited)
         for key in ("load_s", "reload_init_s", "finalize_s"):  # the worker's own split of the update
             if key in stats:
                 phases[f"worker_{key}"] = float(stats[key])
@@ -291,8 +300,8 @@ class EngineActor:
                 stamps[key] = float(stats[f"{key}_unix_s"])
         stamps["engine_out"] = time.time()
         return SyncReport(self.engine_id, policy_version, int(stats.get("bytes", 0)), int(stats.get("num_buckets", 0)),
-                          int(stats.get("num_tensors", 0)), recv_s, time.perf_counter() - t0, phases,
-                          m.layout_digest(), str(stats.get("copy_plan", "")), stamps)
+                          int(stats.get("num_tensors", 0)), recv_s - waited, time.perf_counter() - t0 - waited, phases,
+                          m.layout_digest(), str(stats.get("copy_plan", "")), stamps, cancelled)
 
     async def _manifest_for(self, policy_version: int, manifest: dict | None, digest: str | None):
         from disagg.transport.manifest import Manifest
@@ -308,7 +317,7 @@ class EngineActor:
         return self._manifest
 
     async def _load(self, policy_version: int, manifest: dict | None, digest: str | None, phases: dict[str, float],
-                    stamps: dict[str, float]):
+                    stamps: dict[str, float], arm_id: int = 0, arm_timeout_s: float = 0.0):
         """``receive_weights`` behind the closed gate: (the manifest, seconds on the wire, the worker's
         figures); the seconds of each phase go into ``phases``, the update call's clock readings
         into ``stamps``."""
@@ -345,6 +354,8 @@ class EngineActor:
         key = m.layout_digest()
         info = ({"digest": key, "policy_version": policy_version} if key == self._worker_layout
                 else {"manifest": m.to_dict()})
+        if arm_id:
+            info.update(arm_id=arm_id, arm_timeout_s=arm_timeout_s)
         self._worker_layout = None  # until this update went through
         try:
             # The cache reset, where one is needed, is queued in the engine core ahead of the update,
@@ -390,6 +401,10 @@ class EngineActor:
             await self._report_state("WAITING_FOR_WEIGHTS", f"sync of version {policy_version} failed: {e}"[:500])
             raise
         self._worker_layout = key
+        if stats.get("cancelled"):  # an armed receive called off before any byte moved: nothing changed
+            await self._resume()
+            lap("resume_s")
+            return m, recv_s, stats
         self.version = policy_version  # before resuming: every token from here on is this version's
         self._weights_loaded.set()
         await self._resume()

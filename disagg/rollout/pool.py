@@ -182,9 +182,12 @@ class RolloutPool:
                                         rank_offset=1 + i * tp, backend=backend, timeout_s=timeout_s)
                 for i, e in enumerate(self.engines)]
 
-    def receive_weights_async(self, policy_version: int, digest: str | None = None, ack: bool = True) -> list:
-        """Every engine's receive of ``policy_version`` (``EngineActor.receive_weights``); the refs."""
-        return [e.receive_weights.remote(policy_version, digest=digest, ack=ack) for e in self.engines]
+    def receive_weights_async(self, policy_version: int, digest: str | None = None, ack: bool = True,
+                              arm_id: int = 0, arm_timeout_s: float = 0.0) -> list:
+        """Every engine's receive of ``policy_version`` (``EngineActor.receive_weights``; ``arm_id``: armed,
+        waiting for the trainer's word); the refs."""
+        return [e.receive_weights.remote(policy_version, digest=digest, ack=ack, arm_id=arm_id,
+                                         arm_timeout_s=arm_timeout_s) for e in self.engines]
 
     def generate(self, requests: list[GenRequest]) -> list[GenResult]:
         """Spread requests over engines round-robin; results come back in request order."""

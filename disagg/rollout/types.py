@@ -100,6 +100,7 @@ class SyncReport:
     """Unix clock readings of the sync's events on this engine (one host's clock: the driver places
     them on its timeline): engine_in, update_call, worker_in, wire_start (the sender's header
     matched), worker_out, update_return, engine_out."""
+    cancelled: str = ""  # an armed receive the trainer called off (why); nothing was loaded
 
 
 TIMELINE = {  # a sync's events, in their usual order -> what happened (the latest party's, where several)

@@ -86,7 +86,8 @@ async def sync_weights(engine, update_info: dict[str, Any], policy_version: int)
     three). Where vLLM labels tokens, the label moves to ``policy_version`` once it succeeded. Returns
     the worker's figures of the receive."""
     stats = (await engine.collective_rpc("disagg_sync", args=(update_info,)))[0]
-    await set_served_version(engine, policy_version)
+    if not stats.get("cancelled"):  # an armed receive called off loads nothing
+        await set_served_version(engine, policy_version)
     return stats
 
 

@@ -41,11 +41,11 @@ from typing import Any
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
 
-from disagg.errors import ChecksumError
+from disagg.errors import ChecksumError, SyncCancelled
 from disagg.transport.copyplan import CopyPlan, Recorded, learn
 from disagg.transport.group import create_group, timed_raw_broadcasts
 from disagg.transport.manifest import Manifest
-from disagg.transport.sync import receive_model
+from disagg.transport.sync import armed_go, receive_model
 
 log = logging.getLogger("disagg.rollout.transfer")
 
@@ -80,6 +80,8 @@ class DisaggUpdateInfo(WeightTransferUpdateInfo):
     manifest: dict | None = None  # the whole manifest; None: the one this worker holds, at ``policy_version``
     digest: str = ""  # the layout digest of the manifest meant (checked against the one held)
     policy_version: int = 0
+    arm_id: int = 0  # an armed receive (waits for the trainer's word in the group's store first); 0: not armed
+    arm_timeout_s: float = 0.0  # how long an armed receive waits for that word
 
 
 class DisaggWeightTransferEngine(WeightTransferEngine[DisaggInitInfo, DisaggUpdateInfo]):
@@ -205,10 +207,25 @@ class DisaggWeightTransferEngine(WeightTransferEngine[DisaggInitInfo, DisaggUpda
         learning = self.load_mode == "direct" and self._plan_key not in self._plans
         self._learning = Recorded({}, {}) if learning else None
         self._plan_note = "learned" if learning else ("loader" if self.load_mode == "direct" else "")
-        started = time.time()
+        go = None
+        if update_info.arm_id:
+            wait = armed_go(update_info.arm_id, update_info.arm_timeout_s,
+                            f"the trainer's push of version {manifest.policy_version} (armed receive "
+                            f"{update_info.arm_id})")
+
+            def go(group) -> None:
+                t = time.perf_counter()
+                try:
+                    wait(group)
+                finally:  # the wait before the announce: not part of the sync's time
+                    self._times["armed_wait_s"] = max(self._times.get("armed_wait_s", 0.0), time.perf_counter() - t)
         try:
             stats = receive_model(self.groups, manifest, self._load, device=self.device, source=self.info.source,
-                                  num_buffers=self.info.num_buffers, verify=self.info.verify)
+                                  num_buffers=self.info.num_buffers, verify=self.info.verify, go=go)
+        except SyncCancelled as e:  # before any byte moved: the model is untouched
+            self._learning = None
+            self.last_stats["cancelled"] = str(e)
+            return
         except ChecksumError as e:
             self.last_stats["rejected"] = str(e)
             self._learning = None
@@ -231,7 +248,7 @@ class DisaggWeightTransferEngine(WeightTransferEngine[DisaggInitInfo, DisaggUpda
                      self._plans[self._plan_key].num_copies)
         self.last_stats.update(bytes=stats.bytes, seconds=stats.seconds, num_buckets=stats.num_buckets,
                                num_tensors=stats.num_tensors, copy_plan=self._plan_note,
-                               wire_start_unix_s=started + stats.header_s, **self._times)
+                               wire_start_unix_s=stats.header_unix_s, **self._times)
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding

@@ -105,12 +105,17 @@ class TrainerGroup:
             "snapshot_s": max(o.get("snapshot_seconds", 0.0) for o in outs),
         }
 
-    def push_weights_async(self, policy_version: int, from_snapshot: bool = False) -> list:
+    def push_weights_async(self, policy_version: int, from_snapshot: bool = False, arm_id: int = 0) -> list:
         """Start the weight push on every rank (rank 0 sends, or every rank with source=shards);
         returns the refs. ``from_snapshot``: send the copy taken by the train step that made
-        ``policy_version`` while the next step may train."""
-        return [self.transport_method(r, "push_weights").remote(policy_version, from_snapshot)
+        ``policy_version`` while the next step may train. ``arm_id``: the engines' armed receive the
+        push wakes."""
+        return [self.transport_method(r, "push_weights").remote(policy_version, from_snapshot, arm_id)
                 for r in range(len(self.workers))]
+
+    def disarm_async(self, arm_id: int) -> list:
+        """Call off the engines' armed receive ``arm_id`` (every sending rank tells its group); the refs."""
+        return [self.transport_method(r, "disarm").remote(arm_id) for r in range(len(self.workers))]
 
     def announce(self, coordinator, policy_version: int, trainer_step: int) -> str:
         """Rank 0 announces the version and its manifest to the coordinator over gRPC."""

@@ -468,9 +468,10 @@ class TrainerWorker:
         self._coord.announce_version(m, trainer_step)
         return m.layout_digest()
 
-    def push_weights(self, policy_version: int, from_snapshot: bool = False) -> dict[str, Any]:
+    def push_weights(self, policy_version: int, from_snapshot: bool = False, arm_id: int = 0) -> dict[str, Any]:
         """Send the current parameters as ``policy_version``; every rank must call this
         (gather mode: the full-tensor gathers are collectives over the trainer ranks).
+        ``arm_id``: the engines wait on the group in an armed receive; this wakes them first.
 
         ``from_snapshot``: send the copy the train step that made ``policy_version`` took
         instead; this runs on the actor's ``transport`` thread while the next step trains
@@ -488,6 +489,10 @@ class TrainerWorker:
                               verify=self.transport_cfg.verify, sender=self.sender, params=tensors)
 
         out: dict[str, Any] = {"rank": self.rank}
+        if arm_id and self.group is not None:
+            from disagg.transport.sync import ARM_SEND, arm_key
+
+            self.group.signal(arm_key(arm_id), ARM_SEND)  # the header follows at once
         if from_snapshot:
             stats = self._send_snapshot(policy_version, send)
             out["snapshot"] = True
@@ -507,6 +512,13 @@ class TrainerWorker:
         out.update(trainer_in_unix_s=wall0, trainer_out_unix_s=time.time())
         self._timeline.append(("push", policy_version, wall0, out["trainer_out_unix_s"]))
         return out
+
+    def disarm(self, arm_id: int) -> None:
+        """Call off the engines' armed receive ``arm_id``: they return without receiving anything."""
+        from disagg.transport.sync import ARM_CANCEL, arm_key
+
+        if self.group is not None:
+            self.group.signal(arm_key(arm_id), ARM_CANCEL)
 
     def _send_snapshot(self, policy_version: int, send):
         """``send`` the snapshot of ``policy_version``, holding it so no train step refills it meanwhile

@@ -155,7 +155,8 @@ class TransportGroup:
     """One weight-sync group: blocking, timed collectives and byte counters."""
 
     def __init__(self, *, pg: dist.ProcessGroup, store: TCPStore, name: str, rank: int,
-                 world_size: int, backend: str, device: torch.device, timeout_s: float) -> None:
+                 world_size: int, backend: str, device: torch.device, timeout_s: float,
+                 store_addr: tuple[str, int] | None = None) -> None:
         self._pg: dist.ProcessGroup | None = pg
         self._store: TCPStore | None = store  # rank 0 hosts it: keep it alive with the group
         self.name = name
@@ -169,6 +170,8 @@ class TransportGroup:
         self._broken: str | None = None
         self.buffers: dict = {}  # receive buffers kept across syncs of one layout (receiver.py)
         self._prefix = PrefixStore(name, store)
+        self._store_addr = store_addr
+        self._signals: PrefixStore | None = None  # a connection of its own for await_signal's long waits
         self._heartbeat = _Heartbeat(self._prefix, rank)
         self._heartbeat.start()
 
@@ -187,6 +190,48 @@ class TransportGroup:
         except RuntimeError:
             return "the store hosted by rank 0 is unreachable: rank 0 is likely dead"
         return ("dead peer(s): " + ", ".join(stale)) if stale else "no peer looks dead (all heartbeats fresh)"
+
+    def signal(self, key: str, value: str) -> None:
+        """Set ``key`` in the group's store (``await_signal`` on another rank returns ``value``)."""
+        try:
+            self._prefix.set(key, value)
+        except RuntimeError as e:
+            raise TransportError(f"group {self.name!r} rank {self.rank}: cannot set {key!r} in the store hosted "
+                                 f"by rank 0 ({_brief(e)})") from e
+
+    def await_signal(self, key: str, timeout_s: float, what: str) -> str:
+        """Block until ``key`` is set in the group's store (``signal``); its value.
+
+        One wait on a store connection of its own: the heartbeat's connection stays free, and a
+        wait cut into timed slices would leave a connection out of step (torch's TCPStore). A
+        thread logs progress every ``_PROGRESS_LOG_S``; rank 0 dying (it hosts the store) ends the
+        wait at once. Raises ``TransportError`` naming ``what`` on the timeout or a lost store."""
+        where = f"group {self.name!r} rank {self.rank}: waiting for {what}"
+        t0, done = time.monotonic(), threading.Event()
+
+        def progress() -> None:
+            while not done.wait(_PROGRESS_LOG_S):
+                log.info("[transport:%s:%d] still waiting for %s after %.0f s (timeout %.0f s)", self.name,
+                         self.rank, what, time.monotonic() - t0, timeout_s)
+
+        threading.Thread(target=progress, daemon=True, name=f"disagg-signal-{self.rank}").start()
+        try:
+            if self._signals is None:
+                if self._store_addr is None:
+                    raise TransportError(f"{where}: this group was built without its store's address")
+                host, port = self._store_addr
+                self._signals = PrefixStore(self.name, TCPStore(host, port, is_master=False, wait_for_workers=False,
+                                                                timeout=timedelta(seconds=self.timeout_s)))
+            self._signals.wait([key], timedelta(seconds=timeout_s))
+            return self._signals.get(key).decode()
+        except RuntimeError as e:
+            self._signals = None  # out of step after a failed wait
+            late = time.monotonic() - t0 >= timeout_s * 0.99
+            raise TransportError(f"{where}: nothing within {timeout_s:.0f} s" if late else
+                                 f"{where}: the store hosted by rank 0 is unreachable ({_brief(e)}): rank 0 is "
+                                 "likely dead") from e
+        finally:
+            done.set()
 
     def broadcast(self, tensor: torch.Tensor, src: int, *, count_bytes: bool = True) -> None:
         """Broadcast ``tensor`` in place from rank ``src``; blocks until done or raises.
@@ -231,7 +276,7 @@ class TransportGroup:
         """Release the process group and, on rank 0, the store. Safe to call twice."""
         self._heartbeat.stop()
         self._release_pg()
-        self._store = None
+        self._store, self._signals = None, None
         if self._broken is None:
             self._broken = "destroyed"
 
@@ -387,7 +432,7 @@ def create_group(*, host: str, port: int, rank: int, world_size: int, backend: s
     except RuntimeError as e:
         raise TransportError(f"{where}: could not connect the {backend} group: {_brief(e)}") from e
     group = TransportGroup(pg=pg, store=store, name=group_name, rank=rank, world_size=world_size,
-                           backend=backend, device=device, timeout_s=timeout_s)
+                           backend=backend, device=device, timeout_s=timeout_s, store_addr=(host, port))
     # Every rank has built its group (NCCL: its communicator) before anyone uses it.
     group.barrier()
     log.info("[transport:%s:%d] joined %s group of %d", group_name, rank, backend, world_size)

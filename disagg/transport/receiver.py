@@ -36,6 +36,7 @@ class ReceiveStats:
     num_buckets: int
     num_tensors: int  # tensors handed to load_fn
     header_s: float = 0.0  # from the start to the sender's header matched: waiting for the sender
+    header_unix_s: float = 0.0  # the clock reading when it matched (where the wire starts)
 
 
 def receive_weights(
@@ -46,6 +47,7 @@ def receive_weights(
     src: int = 0,
     num_buffers: int = 2,
     verify: bool = False,
+    go: Callable[[TransportGroup], None] | None = None,
 ) -> ReceiveStats:
     """Receive one policy version from rank ``src`` and hand it to ``load_fn``.
 
@@ -60,13 +62,21 @@ def receive_weights(
     ``load_fn`` never called, so the receiver keeps its previous weights and the
     group stays in step. Raises ``TransportError`` if the sender's header
     disagrees with ``manifest`` or a broadcast fails.
+
+    ``go`` (an armed receive): called with the group once everything is ready and before
+    anything is posted; it returns when the sender is about to send, or raises (e.g.
+    ``SyncCancelled``) with the group still in step.
     """
     if group.rank == src:
         raise ValueError(f"receive_weights runs on receivers; rank {src} is the sender")
     if num_buffers < 1:
         raise ValueError(f"transport.num_buffers must be >= 1, got {num_buffers}")
-    t0 = time.perf_counter()
+    reassembler = Reassembler(manifest, device=device)
+    slots = _slots(group, manifest, device, num_buffers)
     header = torch.zeros(3, dtype=torch.int64, device=device)
+    if go is not None:
+        go(group)
+    t0 = time.perf_counter()
     header_op = group.broadcast_async(header, src, count_bytes=False)
     # NCCL: the first buckets' receives are posted before the header is read, so the
     # header's round trip does not delay the wire; they land in this receiver's own
@@ -78,8 +88,6 @@ def receive_weights(
         header_op.wait()
         _check_header(group, manifest, header)
         header_s = time.perf_counter() - t0
-    reassembler = Reassembler(manifest, device=device)
-    slots = _slots(group, manifest, device, num_buffers)
     buckets = manifest.buckets
     pending: dict[int, tuple[list, torch.Tensor, torch.Tensor | None]] = {}
 
@@ -139,7 +147,8 @@ def receive_weights(
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
     stats = ReceiveStats(bytes=sum(p.nbytes for p in buckets), seconds=time.perf_counter() - t0,
-                         num_buckets=len(buckets), num_tensors=num_tensors, header_s=header_s)
+                         num_buckets=len(buckets), num_tensors=num_tensors, header_s=header_s,
+                         header_unix_s=time.time() - (time.perf_counter() - t0 - header_s))
     log.debug("[transport:%s:%d] received policy_version=%d: %d tensors in %d buckets, %.1f MiB in %.3f s",
               group.name, group.rank, manifest.policy_version, num_tensors, stats.num_buckets,
               stats.bytes / 2**20, stats.seconds)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -292,27 +292,29 @@ class ShardAssembler:
 
 
 def receive_model(groups: list[TransportGroup], full: Manifest, load_fn: LoadFn, *, device: torch.device,
-                  source: str, num_buffers: int = 2, verify: bool = False) -> ReceiveStats:
-    """Receive ``full.policy_version`` from one group (gather) or one group per trainer rank (shards)."""
+                  source: str, num_buffers: int = 2, verify: bool = False,
+                  go: Callable[[TransportGroup], None] | None = None) -> ReceiveStats:
+    """Receive ``full.policy_version`` from one group (gather) or one group per trainer rank (shards);
+    ``go``: an armed receive's wait for each group's sender (``receive_weights``)."""
     t0 = time.perf_counter()
     if source == "gather":
         if len(groups) != 1:
             raise ValueError(f"gather mode receives from one group, got {len(groups)}")
-        return receive_weights(groups[0], full, load_fn, device, 0, num_buffers, verify)
+        return receive_weights(groups[0], full, load_fn, device, 0, num_buffers, verify, go)
     manifests = source_manifests(full, len(groups))
     assembler = ShardAssembler(full, len(groups), load_fn, device, defer=verify)
 
     def one(r: int) -> ReceiveStats:
         if device.type != "cuda":
             return receive_weights(groups[r], manifests[r], lambda items: assembler.add(r, items), device, 0,
-                                   num_buffers, verify)
+                                   num_buffers, verify, go)
         torch.cuda.set_device(device)  # a fresh thread starts on device 0
         # One stream per source: group r's NCCL stream then depends on nothing but its own
         # receives and copies. Through a shared stream, two communicators would wait on
         # each other in different orders on different receivers, a deadlock.
         with torch.cuda.stream(torch.cuda.Stream(device)):
             stats = receive_weights(groups[r], manifests[r], lambda items: assembler.add(r, items), device, 0,
-                                    num_buffers, verify)
+                                    num_buffers, verify, go)
         return stats
 
     with ThreadPoolExecutor(max_workers=len(groups), thread_name_prefix="disagg-recv") as pool:
@@ -325,7 +327,28 @@ def receive_model(groups: list[TransportGroup], full: Manifest, load_fn: LoadFn,
         torch.cuda.current_stream(device).synchronize()
     return ReceiveStats(bytes=sum(s.bytes for s in stats), seconds=time.perf_counter() - t0,
                         num_buckets=sum(s.num_buckets for s in stats), num_tensors=len(full.tensors),
-                        header_s=max(s.header_s for s in stats))
+                        header_s=max(s.header_s for s in stats), header_unix_s=max(s.header_unix_s for s in stats))
+
+
+ARM_SEND, ARM_CANCEL = "send", "cancel"
+
+
+def arm_key(arm_id: int) -> str:
+    """The store key an armed receive waits on and the trainer sets (``ARM_SEND`` or ``ARM_CANCEL``)."""
+    return f"arm/{arm_id}"
+
+
+def armed_go(arm_id: int, timeout_s: float, what: str) -> Callable[[TransportGroup], None]:
+    """An armed receive's ``go`` (``receive_weights``): wait in the group's store until the sender says
+    it is sending (its header follows at once); ``SyncCancelled`` if it calls the receive off."""
+    from disagg.errors import SyncCancelled
+
+    def go(group: TransportGroup) -> None:
+        said = group.await_signal(arm_key(arm_id), timeout_s, what)
+        if said != ARM_SEND:
+            raise SyncCancelled(f"{what}: called off by the sender ({said!r}); nothing was received")
+
+    return go
 
 
 def source_groups_needed(source: str, num_trainer_ranks: int) -> int:

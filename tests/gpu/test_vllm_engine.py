@@ -220,7 +220,8 @@ def _as_vllm_parameters(state: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
 
 def test_direct_syncs_leave_every_vllm_parameter_the_bf16_cast_of_the_trainers_bit_for_bit(job, tok):
     """The fast path (transport.load=direct: the copy plan learned from vLLM's load_weights at the
-    first sync, replayed as fused copies since) against the trainer, parameter by parameter."""
+    first sync, replayed as fused copies since; the last sync armed: Job.arm_sync) against the trainer,
+    parameter by parameter."""
     import ray
 
     from disagg.transport.buckets import bucket_checksum
@@ -229,10 +230,13 @@ def test_direct_syncs_leave_every_vllm_parameter_the_bf16_cast_of_the_trainers_b
     prompt = _ids(tok, "1357=")
     batch = [TrainSample(prompt, [5 + i, 6, 7, 8], [-1.0] * 4, 1.0 if i % 2 else -1.0, 0.0, 1) for i in range(8)]
     plans = []
-    for _ in range(2):  # the plan is replayed from the second sync of a layout on, whichever test ran first
-        job.trainer.train_step(batch)
+    for armed in (False, True):  # the plan is replayed from the second sync of a layout on, whichever test ran first
         v = job.coordinator.state.latest_version() + 1
-        job.sync_weights(v, trainer_step=v)
+        if armed:  # the second with the engine's receive on the group before the trainer has the version
+            job.arm_sync(v, timeout_s=120)
+        job.trainer.train_step(batch)
+        sync = job.sync_weights(v, trainer_step=v)
+        assert sync.armed == armed
         stats = ray.get(engine.get_transfer_stats.remote(), timeout=60)
         plans.append(stats["copy_plan"])
     assert stats["load_mode"] == "direct" and plans[-1] == "replayed", (stats, plans)

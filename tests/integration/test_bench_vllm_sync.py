@@ -73,7 +73,7 @@ def test_bench_vllm_sync_times_a_raw_broadcast_and_each_syncs_phases(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(out.read_text())
     assert r["backend"] == "gloo" and r["engine_workers"] == 1 and r["bytes"] > 0
-    assert len(r["raw_all_s"]) == 2 and all(s > 0 for s in r["raw_all_s"])
+    assert len(r["raw_all_s"]) == 4 and all(s > 0 for s in r["raw_all_s"])  # beside each timed sync of 2 blocks
     runs = r["syncs"]["layerwise"]
     assert len(runs) == 2 and r["resolved_loads"] == {"layerwise": "layerwise"}
     for run in runs:
@@ -91,7 +91,14 @@ def test_bench_vllm_sync_times_a_raw_broadcast_and_each_syncs_phases(tmp_path):
                                 "engine_out", "done")]
         assert order == sorted(order) and order[0] > 0, t
         assert t["trainer_in"] <= t["wire_start"] + 0.002 and t["wire_start"] < t["trainer_out"] <= t["done"], t
+    for run in r["syncs"]["layerwise, armed"]:  # the engine waited on the group before the announce
+        p, t = run["phases"], run["timeline"]
+        assert p["armed_wait_s"] >= 0.2 and p["update_s"] < run["seconds"], p  # the wait is not in the sync
+        assert t["worker_in"] < 0 < t["trainer_in"] < t["wire_start"] < t["worker_out"] < t["done"], t
     m = r["modes"]["layerwise"]
     assert m["raw_vs_sync"] == pytest.approx(r["raw_s"] / m["seconds"])
     assert list(m["timeline"]) == [k for k in TIMELINE if k in m["timeline"]] and m["timeline"]["done"] == m["seconds"]
     assert "raw broadcast, same group" in proc.stdout and "load=layerwise" in proc.stdout and "wire_start" in proc.stdout
+    armed = r["modes"]["layerwise, armed"]
+    assert 0 < armed["push_to_serving_s"] < armed["seconds"]
+    assert "load=layerwise, armed" in proc.stdout

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import time
 from contextlib import redirect_stdout
 from pathlib import Path
@@ -75,13 +76,15 @@ def test_train_three_steps_writes_metrics_and_ctl_sees_the_live_run(tmp_path, mo
     assert (run_dir / ".hydra" / "config.yaml").exists()
 
 
-def test_invalid_config_fails_before_any_actor_starts(tmp_path):
+@pytest.mark.parametrize("bad", ["trainer.num_workers=0", "transport.dtype=float7", "reward.name=nonsense"])
+def test_invalid_config_fails_before_any_actor_starts(tmp_path, bad):
     t0 = time.monotonic()
-    proc = disagg_process(["train", "trainer.num_workers=0", f"logging.root_dir={tmp_path}"])
+    proc = disagg_process(["train", bad, f"logging.root_dir={tmp_path}"])
     out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 2
-    assert "trainer.num_workers=0" in err
-    assert "Ray" not in out + err.replace("trainer.num_workers=0", "")
+    assert proc.returncode == 2, err[-2000:]
+    key, value = bad.split("=")
+    assert re.search(rf"{re.escape(key)}='?{re.escape(value)}", err), err[-2000:]
+    assert "Ray" not in out + err.replace(bad, "") and "coordinator" not in out + err, (out + err)[-2000:]
     assert time.monotonic() - t0 < 60
 
 

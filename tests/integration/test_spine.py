@@ -198,6 +198,63 @@ def test_a_manifest_that_does_not_fit_the_engine_model_is_refused_before_any_byt
     assert all(r.min_version == before.committed_version and r.completions[0].response_ids for r in res)
 
 
+def _train_one_step(job, tok, seed):
+    import ray
+
+    spec = SamplingSpec(max_tokens=8, temperature=1.0, n=4, seed=seed)
+    reqs = [GenRequest(f"a{seed}-{i}", tuple(_ids(tok, p)), spec) for i, p in enumerate(PROMPTS)]
+    out = ray.get(job.rollout.engines[0].generate.remote(reqs), timeout=120)
+    samples = [TrainSample(list(r.prompt_ids), c.response_ids, c.logprobs, 1.0 if k % 2 else -1.0, 0.0, r.min_version)
+               for r in out for k, c in enumerate(r.completions)]
+    job.trainer.train_step(samples)
+
+
+def test_an_armed_receive_waits_for_the_trainer_and_a_called_off_one_loads_nothing(job, tok):
+    """Armed (transport.arm): the engine's receive is on the group before the trainer has the version,
+    returns only when the trainer's push wakes it, and loads exactly the trainer's weights; its wait
+    is not counted in the sync. Called off, the engine loads nothing and keeps serving its version."""
+    import time
+
+    import ray
+
+    state = job.coordinator.state
+    _train_one_step(job, tok, seed=11)
+    v = state.latest_version() + 1
+    job.arm_sync(v, timeout_s=60)
+    refs = list(job.armed.refs)
+    ready, _ = ray.wait(refs, timeout=1.5)
+    assert not ready, "an armed receive returned before the trainer pushed anything"
+    # (ping, not get_version: a call into vLLM's engine core waits behind the armed receive)
+    assert ray.get(job.rollout.engines[0].ping.remote(), timeout=10)["policy_version"] == v - 1
+    sync = job.sync_weights(v, trainer_step=v - 1)
+    assert job.armed is None and state.committed_version() == v
+    assert sync.engine_phases["armed_wait_s"] > 1.0 > sync.seconds  # the wait came before the announce
+    _, vllm_ids, hf, vlp, hflp = _vllm_vs_hf(job, tok, "armed")
+    assert vllm_ids == hf
+    for a, b in zip(vlp, hflp):
+        assert a == pytest.approx(b, abs=2e-4)
+
+    _train_one_step(job, tok, seed=12)  # the trainer moves on; its push of v + 1 is called off
+    job.arm_sync(v + 1, timeout_s=60)
+    off = list(job.armed.refs)
+    time.sleep(0.5)  # on the group
+    t0 = time.monotonic()
+    job.disarm()
+    assert time.monotonic() - t0 < 10
+    report = ray.get(off[0], timeout=10)
+    assert "called off" in report.cancelled and report.bytes_received == 0
+    res, _, _, vlp_off, hflp_off = _vllm_vs_hf(job, tok, "disarmed")
+    assert all(r.min_version == v for r in res)  # still version v, whole
+    for a, b in zip(vlp_off, vlp):
+        assert a == pytest.approx(b, abs=1e-6)
+    assert max(abs(x - y) for a, b in zip(vlp_off, hflp_off) for x, y in zip(a, b)) > 1e-3  # the trainer moved
+    job.sync_weights(v + 1, trainer_step=v)  # an ordinary sync still works after it
+    _, ids2, hf2, vlp2, hflp2 = _vllm_vs_hf(job, tok, "after-disarm")
+    assert ids2 == hf2
+    for a, b in zip(vlp2, hflp2):
+        assert a == pytest.approx(b, abs=2e-4)
+
+
 def test_a_dead_engine_fails_the_sync_with_an_error_naming_it(job):
     """Last in the module: it kills the engine. The sync ends in a TransportError naming
     the dead engine within the transport timeout instead of hanging."""
@@ -210,6 +267,7 @@ def test_a_dead_engine_fails_the_sync_with_an_error_naming_it(job):
     ray.kill(job.rollout.engines[0])
     t0 = time.monotonic()
     with pytest.raises(TransportError) as e:
-        job.sync_weights(4, trainer_step=3)
+        v = job.coordinator.state.latest_version() + 1
+        job.sync_weights(v, trainer_step=v - 1)
     assert "engine 0: actor died" in str(e.value)
     assert time.monotonic() - t0 < job.cfg.transport.timeout_s + 30

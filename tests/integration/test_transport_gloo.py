@@ -142,6 +142,43 @@ def _kill_receiver(rank: int, world: int, port: int) -> dict:
         group.destroy()
 
 
+def _armed(rank: int, world: int, port: int) -> dict:
+    """Armed receives (the engines' wait in transport.arm): woken by the sender's word, called off by it,
+    and ended by its death (it hosts the store) well before their timeout."""
+    from disagg.errors import SyncCancelled
+    from disagg.transport.sync import ARM_CANCEL, ARM_SEND, arm_key, armed_go
+
+    group = _group(rank, world, port)
+    w = _weights(5)
+    if rank == 0:
+        time.sleep(1.0)  # the receivers wait on the group meanwhile
+        group.signal(arm_key(1), ARM_SEND)
+        WeightSender(group).send(build_manifest(w.items(), BUCKET_BYTES, policy_version=5), w)
+        time.sleep(0.5)
+        group.signal(arm_key(2), ARM_CANCEL)
+        time.sleep(1.0)
+        os._exit(0)  # armed receive 3 waits on a store that is gone
+    net = _zeroed_net()
+    load_fn = TorchModelReceiver.load_into_module(net)
+    manifest = build_manifest(net.state_dict().items(), BUCKET_BYTES, policy_version=5)
+    t0 = time.monotonic()
+    receive_weights(group, manifest, load_fn, go=armed_go(1, 30.0, "armed receive 1"))
+    out: dict = {"waited_s": time.monotonic() - t0,
+                 "equal": all(torch.equal(net.state_dict()[k], v) for k, v in w.items())}
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    try:
+        receive_weights(group, manifest.with_version(6), load_fn, go=armed_go(2, 30.0, "armed receive 2"))
+    except SyncCancelled as e:
+        out["cancelled"] = str(e)
+    out["unchanged"] = all(torch.equal(net.state_dict()[k], v) for k, v in before.items())
+    t1 = time.monotonic()
+    try:
+        receive_weights(group, manifest.with_version(7), load_fn, go=armed_go(3, 30.0, "armed receive 3"))
+    except TransportError as e:
+        out["orphaned"], out["orphaned_s"] = str(e), time.monotonic() - t1
+    return out
+
+
 def _child(target, rank: int, world: int, port: int, results, started) -> None:
     # Every process has started before any joins: spawned processes import torch seconds apart on a
     # busy machine, and the short timeouts here time the rendezvous, not the start-up.
@@ -227,3 +264,12 @@ def test_receiver_dying_mid_sync_fails_the_sender_fast() -> None:
     # The error names the receiver that died, and only that one.
     assert "dead peer(s): rank 2 (" in sender["error"] and "rank 1 (" not in sender["error"], sender
     assert reports[1]["error_type"] == "TransportError", reports[1]
+
+
+def test_an_armed_receive_waits_for_the_senders_word_is_called_off_by_it_and_ends_when_it_dies() -> None:
+    reports, codes = _spawn(_armed, world=2, ranks=[0, 1])
+    rx = reports[1]
+    assert rx["ok"], rx
+    assert rx["equal"] and rx["waited_s"] >= 0.9  # woken by the word, not before it
+    assert "called off by the sender" in rx["cancelled"] and rx["unchanged"]
+    assert "unreachable" in rx["orphaned"] and rx["orphaned_s"] < 15  # not the 30 s timeout

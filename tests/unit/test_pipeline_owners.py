@@ -28,7 +28,8 @@ def _cfg(**rollout):
     roll = {"replace_dead_engines": True, "start_timeout_s": 60.0, "health_interval_s": 1.0, "health_timeout_s": 5.0}
     roll.update(rollout)
     return SimpleNamespace(rollout=SimpleNamespace(**roll), cluster=SimpleNamespace(placement_timeout_s=60.0,
-                           actor_timeout_s=60.0), transport=SimpleNamespace(max_sync_retries=2),
+                           actor_timeout_s=60.0), transport=SimpleNamespace(max_sync_retries=2, arm=True,
+                                                                            timeout_s=30.0),
                            reward=SimpleNamespace(num_workers=0))
 
 
@@ -250,6 +251,30 @@ def test_sync_waits_for_the_previous_one_and_blocks_the_trainer_until_its_push_l
     assert stats.policy_version == 2 and record.step == 1 and sync.pending is None
     sync.start_queued(3)
     assert job.started[-1] == (3, 2, False)
+
+
+def test_engines_are_armed_only_at_staleness_0_when_idle_and_nothing_else_happens_at_the_sync() -> None:
+    sync, job = _sync(overlap_push=False)
+    job.armed_for = []
+    job.arm_sync = lambda version, timeout_s: job.armed_for.append((version, timeout_s))
+    sync.arm(2, limit=1, engines_idle=True)  # staleness 1: the engines generate while the step trains
+    sync.arm(2, limit=0, engines_idle=False)  # something still generating
+    assert job.armed_for == []
+    sync.arm(2, limit=0, engines_idle=True)
+    assert job.armed_for == [(2, 60.0 + 30.0)]  # the loop's stall limit plus the transport's timeout
+    sync.fleet.draining.add(0)  # an engine leaves at the next sync: the group changes there
+    sync.arm(3, limit=0, engines_idle=True)
+    sync.fleet.draining.clear()
+    sync.rebuild = True  # the last sync failed: the next one rebuilds the group
+    sync.arm(3, limit=0, engines_idle=True)
+    sync.rebuild = False
+    sync.trained(StepRecord(1, 1, [], 0.0))  # a step waits for its sync
+    sync.arm(3, limit=0, engines_idle=True)
+    assert job.armed_for == [(2, 90.0)]
+    sync.queued = None
+    sync.cfg.transport.arm = False
+    sync.arm(3, limit=0, engines_idle=True)
+    assert job.armed_for == [(2, 90.0)]
 
 
 def test_a_snapshot_lets_the_trainer_take_its_next_batch_before_its_sync_starts() -> None:
