@@ -58,6 +58,7 @@ PHASES = {  # engine phase key -> what it is (the order of a sync)
     "reset_cache_s": "reset_prefix_cache, beside the update (from its call)",
     "resume_s": "resume (when paused)",
     "ack_s": "coordinator ack (an engine acking itself)",
+    "armed_setup_s": "armed: manifest, quiesce, the call into the worker and its set-up (before the announce)",
     "armed_wait_s": "armed: the worker waiting on the group for the trainer (before the announce; not in update_s)",
     "worker_receive_s": "worker: receive loop (wire + loads)",
     "worker_load_s": "worker: loads (copy plan, or vLLM load_weights)",

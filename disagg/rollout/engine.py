@@ -287,9 +287,19 @@ class EngineActor:
             await self._control_call(self._coord.ack_version, self.engine_id, policy_version, m.layout_digest())
             phases["ack_s"] = time.perf_counter() - t1
         waited = float(stats.get("armed_wait_s", 0.0))  # an armed receive's wait came before the announce
+        before_go = 0.0  # seconds of this call before the trainer's word (armed)
         if waited:
+            # Everything up to the trainer's word happened before the announce: the manifest, the
+            # quiesce, the call into the worker and its set-up (armed_setup_s), then the wait; the
+            # sync's part of the update starts at the word.
+            go = float(stats.get("armed_go_unix_s", stamps["update_call"] + waited))
+            phases["armed_setup_s"] = max(0.0, phases.get("manifest_s", 0.0) + phases.get("quiesce_s", 0.0)
+                                          + go - stamps["update_call"] - waited)
             phases["armed_wait_s"] = waited
-            phases["update_s"] = max(0.0, phases.get("update_s", 0.0) - waited)
+            phases["manifest_s"] = phases["quiesce_s"] = 0.0
+            phases["update_s"] = max(0.0, stamps["update_return"] - go)
+            before_go = max(0.0, go - stamps["engine_in"])
+            recv_s = phases["update_s"]
         for key in ("load_s", "reload_init_s", "finalize_s"):  # the worker's own split of the update
             if key in stats:
                 phases[f"worker_{key}"] = float(stats[key])
@@ -300,7 +310,7 @@ class EngineActor:
                 stamps[key] = float(stats[f"{key}_unix_s"])
         stamps["engine_out"] = time.time()
         return SyncReport(self.engine_id, policy_version, int(stats.get("bytes", 0)), int(stats.get("num_buckets", 0)),
-                          int(stats.get("num_tensors", 0)), recv_s - waited, time.perf_counter() - t0 - waited, phases,
+                          int(stats.get("num_tensors", 0)), recv_s, time.perf_counter() - t0 - before_go, phases,
                           m.layout_digest(), str(stats.get("copy_plan", "")), stamps, cancelled)
 
     async def _manifest_for(self, policy_version: int, manifest: dict | None, digest: str | None):

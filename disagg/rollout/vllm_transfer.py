@@ -219,6 +219,7 @@ class DisaggWeightTransferEngine(WeightTransferEngine[DisaggInitInfo, DisaggUpda
                     wait(group)
                 finally:  # the wait before the announce: not part of the sync's time
                     self._times["armed_wait_s"] = max(self._times.get("armed_wait_s", 0.0), time.perf_counter() - t)
+                    self._times["armed_go_unix_s"] = time.time()  # the sync's part starts here
         try:
             stats = receive_model(self.groups, manifest, self._load, device=self.device, source=self.info.source,
                                   num_buffers=self.info.num_buffers, verify=self.info.verify, go=go)
