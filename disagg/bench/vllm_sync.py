@@ -12,6 +12,10 @@ untimed syncs first: a direct load learns its copy plan in the first) and then f
   <load>     a sync of the next policy version in that mode (``transport.load``: direct, layerwise),
              from the announce to every engine serving it (acknowledged) - what the loop waits
              for - with each phase's seconds as the engine actor and vLLM's worker saw them
+  <load>, from a snapshot  (the first load mode; ``--no-snapshot`` skips it) the push of a
+             staleness >= 1 run: the trainer sends the copy its train step took (``take_snapshot``
+             here, not timed), laid out as the buckets in the wire dtype, so the push sends views
+             of it with no packing or cast
   <load>, armed  the same, with every engine's receive put on the group before the announce
              (``Job.arm_sync``, as the loop does when the engines are idle during a train step): the
              announce only tells the trainer, whose push wakes the waiting workers through the group's
@@ -83,6 +87,7 @@ class VllmSyncOptions:
     overrides: tuple[str, ...] = ()
     peer: str | None = None  # vllm-nccl | checkpoint-engine: another route into the same engine (GPUs)
     armed: bool = True  # each load mode also with the engines' receives armed before the announce
+    snapshot: bool = True  # the first load mode also pushed from a snapshot (staleness >= 1)
 
 
 def resolve_options(given: dict[str, Any], gpus: int) -> VllmSyncOptions:
@@ -116,7 +121,8 @@ def summarise(raw_s: list[float], syncs: dict[str, list[dict[str, Any]]],
     out: dict[str, Any] = {"raw_s": raw, "modes": {}}
     if peer_s:
         peer = statistics.median(peer_s)
-        best = min(statistics.median(r["seconds"] for r in runs) for runs in syncs.values())
+        # against a push from the live parameters (a snapshot's copy is made in the train step before it)
+        best = min(statistics.median(r["seconds"] for r in runs) for m, runs in syncs.items() if SNAPSHOT not in m)
         out["peer"] = {"seconds": peer, "raw_vs_peer": raw / peer, "disagg_speedup": peer / best}
         if peer_register_s:
             out["peer"].update(register_s=statistics.median(peer_register_s), disagg_speedup_with_register=(
@@ -175,8 +181,10 @@ def run(o: VllmSyncOptions) -> dict[str, Any]:
                               "on the wire")
         raw_s: list[float] = []
         peer_s: list[float] = []
-        blocks = [(m, armed) for m in o.loads for armed in ((False, True) if o.armed else (False,))]
-        syncs: dict[str, list[dict[str, Any]]] = {_label(m, a): [] for m, a in blocks}
+        blocks = [(m, armed, False) for m in o.loads for armed in ((False, True) if o.armed else (False,))]
+        blocks += [(o.loads[0], False, True)] if o.snapshot else []
+        syncs: dict[str, list[dict[str, Any]]] = {_label(m, a, snap): [] for m, a, snap in blocks}
+        snapshots: list[dict[str, float]] = []
         resolved = {}
         peer_info = _peer_init(job, cfg, o.peer) if o.peer else None
 
@@ -187,8 +195,8 @@ def run(o: VllmSyncOptions) -> dict[str, Any]:
 
         # Each mode in a block of its own (a direct load replays its copy plan from the second sync of
         # a block on: the first learns it), each timed sync beside a raw broadcast of the same bytes.
-        for mode, armed in blocks:
-            label = _label(mode, armed)
+        for mode, armed, from_snapshot in blocks:
+            label = _label(mode, armed, from_snapshot)
             resolved[mode] = ray.get([e.set_load_mode.remote(mode) for e in engines], timeout=60)[0]
             for i in range(o.warmup + o.repeats):
                 r = raw()
@@ -196,7 +204,10 @@ def run(o: VllmSyncOptions) -> dict[str, Any]:
                 if armed:  # the engines get on the group while the trainer "trains" (not timed)
                     job.arm_sync(version, timeout_s=cfg.transport.timeout_s)
                     time.sleep(_ARM_SETTLE_S)
-                s = job.sync_weights(version, trainer_step=version - 1)
+                if from_snapshot:  # what a train step with a snapshot ends with (not timed)
+                    snapshots += ray.get([job.trainer.transport_method(w, "take_snapshot").remote(version)
+                                          for w in range(len(job.trainer.workers))], timeout=cfg.transport.timeout_s)
+                s = job.finish_sync(job.start_sync(version, trainer_step=version - 1, from_snapshot=from_snapshot))
                 plan = ray.get(engines[0].get_transfer_stats.remote(), timeout=60).get("copy_plan", "")
                 if i >= o.warmup:
                     raw_s.append(r)
@@ -217,6 +228,9 @@ def run(o: VllmSyncOptions) -> dict[str, Any]:
             log.warning("%s %d/%d: raw %.4f s, sync %.4f s%s", o.peer, i + 1, o.warmup + o.repeats, r, p["seconds"],
                         "".join(f", {k} {v:.4f} s" for k, v in p.items() if k != "seconds"))
         register_s = [p["register_s"] for p in peer_runs if "register_s" in p]
+        if snapshots:
+            report["snapshot"] = {"seconds": statistics.median(x["seconds"] for x in snapshots),
+                                  "bytes": snapshots[0]["bytes"]}
         report.update(summarise(raw_s, syncs, peer_s, register_s), raw_all_s=raw_s, syncs=syncs,
                       resolved_loads=resolved, peer_all_s=peer_s, peer_all=peer_runs)
     finally:
@@ -228,8 +242,11 @@ def run(o: VllmSyncOptions) -> dict[str, Any]:
 _ARM_SETTLE_S = 0.3  # an armed receive's way onto the group (milliseconds; a train step is longer)
 
 
-def _label(mode: str, armed: bool) -> str:
-    return f"{mode}, armed" if armed else mode
+SNAPSHOT = "from a snapshot"
+
+
+def _label(mode: str, armed: bool, from_snapshot: bool = False) -> str:
+    return f"{mode}, armed" if armed else f"{mode}, {SNAPSHOT}" if from_snapshot else mode
 
 
 def _peer_init(job, cfg, peer: str) -> dict[str, Any]:
@@ -303,6 +320,9 @@ def render(report: dict[str, Any]) -> None:
         table.add_row("  driver: announce, Ray dispatch and results", f"{m['driver_s']:.4f}", "", "")
         for k, v in m["phases"].items():
             table.add_row(f"  {PHASES.get(k, k)}", f"{v:.4f}", "", "")
+        if SNAPSHOT in mode and "snapshot" in report:
+            table.add_row("  the snapshot, made by the train step before (not in the sync): copy + cast",
+                          f"{report['snapshot']['seconds']:.4f}", "", "")
         plans = sorted({r.get("copy_plan") or "-" for r in report["syncs"][mode]})
         table.add_row(f"  worker loads by: {', '.join(plans)}", "", "", "")
         if m.get("timeline"):
@@ -335,6 +355,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--log-level", default="WARNING")
     p.add_argument("--peer", default=None, choices=tuple(PEERS),
                    help="also sync the same bytes into the same engine through this peer (GPUs)")
+    p.add_argument("--no-snapshot", dest="snapshot", action="store_false",
+                   help="skip the block pushed from a snapshot (the push of a staleness >= 1 run)")
     p.add_argument("--no-armed", dest="armed", action="store_false",
                    help="skip the blocks with the engines' receives armed before the announce")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the report as JSON")

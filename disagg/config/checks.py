@@ -94,6 +94,8 @@ def validate(cfg: Config, mode: str = "train") -> Config:
         f"rollout.max_tokens={r.max_tokens} must be < rollout.max_model_len={r.max_model_len}",
     )
     _check(t.warmup_steps >= 0, f"trainer.warmup_steps={t.warmup_steps}: must be >= 0")
+    _check(t.micro_batch_tokens >= 0,
+           f"trainer.micro_batch_tokens={t.micro_batch_tokens}: must be >= 0 (0: no token budget)")
     _check(t.checkpoint_every >= 0, f"trainer.checkpoint_every={t.checkpoint_every}: must be >= 0 (0 = off)")
     _check(t.keep_checkpoints >= 0, f"trainer.keep_checkpoints={t.keep_checkpoints}: must be >= 0 (0 = keep all)")
     from disagg.storage import check_location, is_url
@@ -243,7 +245,7 @@ def _check_strings(cfg: Config) -> None:
         ("rollout.served_model_name", r.served_model_name, bool(r.served_model_name.strip()), "a non-empty name"),
         ("data.prompt_key", cfg.data.prompt_key, bool(cfg.data.prompt_key.strip()), "a non-empty column name"),
         ("logging.project", lg.project, bool(lg.project.strip()), "a non-empty name"),
-        ("reward.path", cfg.reward.path, cfg.reward.path is None or _is_module_function(cfg.reward.path),
+        ("reward.path", cfg.reward.path, cfg.reward.path is None or is_module_function(cfg.reward.path),
          "null or 'module:function'"),
     ]
     for key, value, ok, want in rows:
@@ -254,7 +256,9 @@ def _is_host(text: str) -> bool:
     return _is_ip(text) or _HOSTNAME.fullmatch(text) is not None
 
 
-def _is_module_function(text: str) -> bool:
+def is_module_function(text: str) -> bool:
+    """``text`` has the shape of a ``module:function`` reference (dotted module, one identifier);
+    the one rule for every such config value (checked before Ray; imported later)."""
     module, _, func = text.partition(":")
     return bool(module) and func.isidentifier() and all(p.isidentifier() for p in module.split("."))
 

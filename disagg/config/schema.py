@@ -54,6 +54,11 @@ class TrainerConfig:
     """Max global gradient norm; <= 0 disables clipping."""
     micro_batch_size: int = 64
     """Samples per forward/backward on one worker (gradient accumulation beyond it)."""
+    micro_batch_tokens: int = 32768
+    """> 0: a micro-batch is also capped at this many padded tokens (rows x its longest sequence),
+    its samples taken in order of length, so that long responses share micro-batches with each
+    other and short ones do not pay for their padding (the gradient is the same: the loss is a
+    token sum over the mini-batch's token count). 0: micro_batch_size samples in arrival order."""
     seed: int = 1
     """Seed for the trainer's torch RNG (model init is the checkpoint's)."""
     cpus_per_worker: int = 1

@@ -36,9 +36,11 @@ def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
 
 def import_callable(ref: str, key: str) -> Callable:
     """The function a ``module:function`` config value names; a ConfigError quoting ``key=ref`` if not."""
-    mod_name, sep, fn_name = ref.partition(":")
-    if not sep or not mod_name or not fn_name:
+    from disagg.config.checks import is_module_function
+
+    if not is_module_function(ref):
         raise ConfigError(f"{key}={ref!r}: expected 'module:function'")
+    mod_name, _, fn_name = ref.partition(":")
     try:
         mod = importlib.import_module(mod_name)
     except ImportError as e:

@@ -27,6 +27,7 @@ from disagg.config import AlgorithmConfig, TrainerConfig, TransportConfig
 from disagg.logs import setup_logging
 from disagg.samples import TrainSample
 from disagg.storage import local_copy, writable_dir
+from disagg.trainer.batching import micro_batches
 from disagg.trainer.grpo import linear_warmup, ppo_clip_loss, token_logprobs
 from disagg.trainer.snapshot import Snapshots
 
@@ -56,6 +57,7 @@ class TrainerWorker:
         self.group = None
         self.sender = None
         self._manifest = None
+        self._push_manifest = None  # this rank's part of it (_push_layout)
         self._params: dict[str, torch.Tensor] | None = None  # named parameters, for the weight sync
         self._flats: list[torch.Tensor] | None = None  # the flat parameter buffers (one rank, fp32 wire)
         self._snapshots = Snapshots()  # transport.overlap_push: what the pushes send
@@ -181,7 +183,7 @@ class TrainerWorker:
         snapshot_s = 0.0
         if snapshot_version is not None:
             t1 = time.perf_counter()
-            self._snapshots.take(snapshot_version, self._local_params(), self._flats)
+            self._snapshots.take(snapshot_version, self._local_params(), self._flats, self._push_layout().buckets)
             snapshot_s = time.perf_counter() - t1
         self._timeline.append(("train", snapshot_version, wall0, time.time()))
         tok = max(totals["tokens"], 1.0)
@@ -210,9 +212,9 @@ class TrainerWorker:
 
     def _accumulate(self, samples: list[TrainSample], prox: list[torch.Tensor] | None, normaliser: float,
                     mode: str, totals: dict[str, float]) -> None:
-        mb = self.cfg.micro_batch_size
-        for start in range(0, len(samples), mb):
-            chunk = samples[start : start + mb]
+        lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
+        for rows in micro_batches(lengths, self.cfg.micro_batch_size, self.cfg.micro_batch_tokens):
+            chunk = [samples[i] for i in rows]
             lp, mask = self._batch_logprobs(self.model, chunk)
             old = torch.zeros_like(lp)
             for i, s in enumerate(chunk):
@@ -220,8 +222,8 @@ class TrainerWorker:
             proximal = None
             if prox is not None:
                 proximal = torch.zeros_like(lp)
-                for i, p in enumerate(prox[start : start + mb]):
-                    proximal[i, : p.numel()] = p
+                for i, r in enumerate(rows):
+                    proximal[i, : prox[r].numel()] = prox[r]
             adv = torch.tensor([s.advantage for s in chunk], device=self.device)
             ref = None
             if self.ref_model is not None:
@@ -455,6 +457,17 @@ class TrainerWorker:
             self._manifest = model_manifest(self.model, self.transport_cfg.bucket_bytes, 0, self.transport_cfg.dtype)
         return self._manifest
 
+    def _push_layout(self):
+        """The manifest this rank's pushes send (its shards' under source=shards): a snapshot is laid
+        out as its buckets, so that the push sends views of it."""
+        from disagg.transport.sync import source_manifests
+
+        if self._push_manifest is None:
+            full = self._layout()
+            self._push_manifest = (source_manifests(full, self.world_size)[self.rank]
+                                   if self.transport_cfg.source == "shards" else full)
+        return self._push_manifest
+
     def announce(self, coordinator, policy_version: int, trainer_step: int, timeout_s: float) -> str:
         """Tell the coordinator (gRPC) that ``policy_version`` exists, with its manifest; returns its digest.
         ``coordinator``: a CoordinatorClient (address, token, TLS root) or "host:port"."""
@@ -512,6 +525,15 @@ class TrainerWorker:
         out.update(trainer_in_unix_s=wall0, trainer_out_unix_s=time.time())
         self._timeline.append(("push", policy_version, wall0, out["trainer_out_unix_s"]))
         return out
+
+    def take_snapshot(self, policy_version: int) -> dict[str, float]:
+        """Copy the parameters as ``policy_version`` for a push from the snapshot, as a train step with
+        ``snapshot_version`` ends (benchmarks: a push of staleness >= 1 without the step)."""
+        t0 = time.perf_counter()
+        snap = self._snapshots.take(policy_version, self._local_params(), self._flats, self._push_layout().buckets)
+        if snap.event is not None:
+            snap.event.synchronize()
+        return {"seconds": time.perf_counter() - t0, "bytes": snap.nbytes}
 
     def disarm(self, arm_id: int) -> None:
         """Call off the engines' armed receive ``arm_id``: they return without receiving anything."""

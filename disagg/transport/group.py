@@ -156,7 +156,7 @@ class TransportGroup:
 
     def __init__(self, *, pg: dist.ProcessGroup, store: TCPStore, name: str, rank: int,
                  world_size: int, backend: str, device: torch.device, timeout_s: float,
-                 store_addr: tuple[str, int] | None = None) -> None:
+                 store_addr: tuple[str, int]) -> None:
         self._pg: dist.ProcessGroup | None = pg
         self._store: TCPStore | None = store  # rank 0 hosts it: keep it alive with the group
         self.name = name
@@ -170,7 +170,7 @@ class TransportGroup:
         self._broken: str | None = None
         self.buffers: dict = {}  # receive buffers kept across syncs of one layout (receiver.py)
         self._prefix = PrefixStore(name, store)
-        self._store_addr = store_addr
+        self._store_addr = store_addr  # (host, port): await_signal opens its own connection to it
         self._signals: PrefixStore | None = None  # a connection of its own for await_signal's long waits
         self._heartbeat = _Heartbeat(self._prefix, rank)
         self._heartbeat.start()
@@ -217,8 +217,6 @@ class TransportGroup:
         threading.Thread(target=progress, daemon=True, name=f"disagg-signal-{self.rank}").start()
         try:
             if self._signals is None:
-                if self._store_addr is None:
-                    raise TransportError(f"{where}: this group was built without its store's address")
                 host, port = self._store_addr
                 self._signals = PrefixStore(self.name, TCPStore(host, port, is_master=False, wait_for_workers=False,
                                                                 timeout=timedelta(seconds=self.timeout_s)))

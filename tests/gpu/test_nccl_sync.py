@@ -26,6 +26,7 @@ def test_nccl_snapshot_sent_beside_the_next_step_is_bit_identical(trainers, sour
         pytest.skip(f"needs {trainers + receivers} GPUs, have {torch.cuda.device_count()}")
     reports = _run(trainers, source, backend="nccl", receivers=receivers, overlap=True)
     check_bit_identical(reports, trainers, source)
+    assert [r["staged_on"] for r in reports if r["role"] == "trainer"] == [[]] * trainers  # sent as views
 
 
 def test_nccl_checksum_mismatch_rejects_the_version():

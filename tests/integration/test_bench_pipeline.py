@@ -40,10 +40,19 @@ def test_bench_pipeline_reports_measured_ratios(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     tail = report["long_tail"]
-    for mode in ("stream", "batch"):
+    for mode in ("stream", "batch_async", "batch"):
         assert tail[mode]["trained_tokens"] > 0 and tail[mode]["seconds"] > 0
         assert tail[mode]["staleness_max"] <= report["options"]["tail_staleness"]
+        # the profile: one row per measured step, its medians taken from those rows
+        steps = tail[mode]["steps"]
+        assert len(steps) == 3
+        assert tail[mode]["train_s_median"] == pytest.approx(sorted(s["timing/train_s"] for s in steps)[1])
+        assert all(0 < s["timing/train_s"] <= s["timing/step_s"] for s in steps)
+    # the batch run is the synchronous pattern; batch_async shares the stream run's staleness
+    assert tail["batch"]["staleness_max"] == 0
     assert report["stream_vs_batch"] == pytest.approx(
+        tail["stream"]["trained_tokens_per_s"] / tail["batch_async"]["trained_tokens_per_s"])
+    assert report["async_stream_vs_sync_batch"] == pytest.approx(
         tail["stream"]["trained_tokens_per_s"] / tail["batch"]["trained_tokens_per_s"])
     ov = report["reward_overlap"]
     longest = max(ov["rollout_stage_s"], ov["reward_stage_s"])

@@ -110,10 +110,12 @@ def _send_snapshot_while_training(net, group, full, source, rank, world, sender,
     import threading
 
     from disagg.trainer.snapshot import Snapshots
-    from disagg.transport.sync import send_model
+    from disagg.transport.sync import send_model, source_manifests
 
     local = {n: (p.detach().to_local() if hasattr(p, "to_local") else p.detach()) for n, p in net.named_parameters()}
-    snap = Snapshots().take(5, local)
+    # laid out as this rank's push sends it (TrainerWorker._push_layout): every bucket a view of it
+    wire = (source_manifests(full, world)[rank] if source == "shards" else full).buckets
+    snap = Snapshots().take(5, local, None, wire)
     result: dict = {}
 
     def push() -> None:
@@ -238,7 +240,10 @@ def test_pipelined_sync_is_bit_identical(trainers, source):
 def test_a_snapshot_sent_while_the_live_weights_change_arrives_bit_identical(trainers, source):
     # The trainer reports its weights as they were when the snapshot was taken; the live ones
     # were all changed (+1) while the snapshot was on the wire.
-    check_bit_identical(_run(trainers, source, overlap=True), trainers, source)
+    reports = _run(trainers, source, overlap=True)
+    check_bit_identical(reports, trainers, source)
+    # sent from the snapshot's own memory: no bucket was packed into a staging buffer
+    assert [r["staged_on"] for r in reports if r["role"] == "trainer"] == [[]] * trainers
 
 
 def test_checksum_mismatch_rejects_the_version_and_keeps_the_previous_weights():

@@ -49,6 +49,47 @@ def test_a_snapshot_of_flat_parameters_is_flat_so_buckets_go_out_without_packing
     assert snap.nbytes == flats[0].numel() * flats[0].element_size()
 
 
+@pytest.mark.parametrize("bucket_bytes", [1 << 20, 64])  # one bucket; a weight split over several
+def test_a_snapshot_in_the_push_layout_holds_the_wire_cast_and_every_bucket_is_a_view_of_it(bucket_bytes):
+    m = _model()
+    params = _params(m)  # float32, not flat: a push from them packs and casts every bucket
+    manifest = build_manifest(params.items(), bucket_bytes=bucket_bytes, policy_version=1, dtype_override="bfloat16")
+    assert any(contiguous_bucket(p, params) is None for p in manifest.buckets)
+    snap = Snapshots().take(1, params, None, manifest.buckets)
+    for n, t in params.items():
+        assert snap.tensors[n].dtype == torch.bfloat16 and snap.tensors[n].shape == t.shape
+        assert torch.equal(snap.tensors[n], t.to(torch.bfloat16)), n
+    assert snap.nbytes == manifest.total_bytes  # the wire's bytes: half the float32 parameters'
+    for plan in manifest.buckets:
+        view = contiguous_bucket(plan, snap.tensors)
+        assert view is not None, plan.index
+        packed = torch.cat([params[e.name].reshape(-1)[e.tensor_offset : e.tensor_offset + e.numel]
+                            for e in plan.entries]).to(torch.bfloat16)
+        assert torch.equal(view, packed)  # what the receiver unpacks: the bucket's plan, bit for bit
+    with torch.no_grad():
+        m[0].weight.add_(1.0)
+    snap2 = Snapshots().take(2, _params(m), None, manifest.buckets)
+    assert torch.equal(snap2.tensors["0.weight"], (params["0.weight"]).to(torch.bfloat16))
+
+
+def test_a_layout_whose_tensors_are_not_contiguous_back_to_back_is_copied_as_the_parameters_are():
+    from disagg.trainer.snapshot import wire_offsets
+    from disagg.transport.manifest import BucketEntry, BucketPlan
+
+    m = _model()
+    params = _params(m)
+    plans = build_manifest(params.items(), bucket_bytes=64, policy_version=1).buckets
+    assert wire_offsets(plans) is not None
+    first, second = plans[0], plans[1]
+    # the same tensor's parts swapped between two buckets: not one view of a back-to-back copy
+    swapped = (BucketPlan(0, first.dtype, first.numel, tuple(BucketEntry(e.name, e.tensor_offset + first.numel,
+                                                                          e.bucket_offset, e.numel)
+                                                               for e in first.entries)), *plans[1:])
+    assert first.entries[0].name == second.entries[0].name and wire_offsets(swapped) is None
+    snap = Snapshots().take(1, params, None, swapped)
+    assert all(snap.tensors[n].dtype == t.dtype for n, t in params.items())
+
+
 def test_two_versions_are_kept_the_oldest_slot_is_reused_and_a_missing_version_is_named():
     m = _model()
     snaps = Snapshots(keep=2)
