@@ -12,7 +12,7 @@ grpcio-tools listed in ``[build-system] requires``:
   warning in editable mode, and a failed generation must fail the install.
 
 A non-editable build also copies the Hydra configs (``configs/``) into the
-package as ``disagg/configs``, where ``disagg.cli.CONFIG_DIR`` finds them when
+package as ``disagg/configs``, where ``disagg.config.files.CONFIG_DIR`` finds them when
 there is no checkout around the installed package.
 
 The generator itself is ``disagg/control/gen.py`` (also ``python -m

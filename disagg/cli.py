@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
+from disagg.config.files import CONFIG_DIR  # the Hydra configs: the wheel's, else the checkout's
+
 USAGE = """usage: disagg <command> [args]
 
 commands:
@@ -23,10 +25,6 @@ commands:
   bench vllm-sync [flags] a sync into a real vLLM engine phase by phase vs a raw broadcast, per load mode
   bench soak [flags]      30 min of training with a pause/resume and an engine kill: RSS, nothing lost
 """
-
-_PACKAGED_CONFIGS = Path(__file__).resolve().parent / "configs"  # in an installed wheel (setup.py copies them)
-CONFIG_DIR = _PACKAGED_CONFIGS if _PACKAGED_CONFIGS.is_dir() else Path(__file__).resolve().parent.parent / "configs"
-"""The Hydra configs: the wheel's copy, else the checkout's ``configs/`` (editable install, source tree)."""
 
 
 def _hydra_command(argv: list[str], mode: str) -> int:

@@ -21,7 +21,7 @@ from disagg.model.warmstart import prepare_model
 from disagg.rollout.pool import RolloutPool
 from disagg.rollout.types import GenRequest, SamplingSpec
 from disagg.scoring import Scorer
-from disagg.tasks.base import get_reward
+from disagg.tasks import get_reward
 from disagg.tasks.sandbox import require_filesystem_isolation
 from disagg.train import encode_prompt, make_source
 

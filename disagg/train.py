@@ -29,7 +29,8 @@ from disagg.paths import check_outside_ray_package
 from disagg.resume import (ResumableSource, ResumePoint, config_changes, default_checkpoint_dir, load_resume,
                            prune_checkpoints)
 from disagg.scoring import Scorer
-from disagg.tasks.base import PromptSource, get_reward
+from disagg.tasks import get_reward
+from disagg.tasks.base import PromptSource
 from disagg.tasks.sandbox import require_filesystem_isolation
 from disagg.trackers import open_trackers
 

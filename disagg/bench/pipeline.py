@@ -52,6 +52,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from disagg.bench.common import bench_device, composed, gpu_overrides, machine, visible_gpus
 from disagg.logs import setup_logging
 
 log = logging.getLogger("disagg.bench")
@@ -99,30 +100,6 @@ GPU_DEFAULTS: dict[str, Any] = {
 """``--device cuda``: the defaults that differ from the CPU ones."""
 
 
-def bench_device(requested: str, gpus: int) -> str:
-    """``--device`` (cpu, cuda or auto) resolved for ``gpus`` visible GPUs; ValueError names a bad one."""
-    device = requested
-    if device == "auto":
-        device = "cuda" if gpus else "cpu"
-    if device not in ("cpu", "cuda"):
-        raise ValueError(f"--device must be cpu, cuda or auto, got {requested!r}")
-    if device == "cuda" and not gpus:
-        raise ValueError("--device cuda: this process sees no GPU")
-    return device
-
-
-def gpu_overrides(overrides: tuple[str, ...] | list[str], gpus: int) -> tuple[str, ...]:
-    """``overrides`` with, unless they pick them, ``shape=qwen2.5-0.5b`` and ``cluster=gpu`` (2+ GPUs:
-    NCCL) or ``cluster=one_gpu`` (both sides on one GPU, gloo) in front: a bench's run on cuda."""
-    out = list(overrides)
-    keys = {o.lstrip("+~").split("=", 1)[0] for o in out}
-    if "shape" not in keys:
-        out.insert(0, "shape=qwen2.5-0.5b")
-    if "cluster" not in keys:
-        out.insert(0, "cluster=gpu" if gpus >= 2 else "cluster=one_gpu")
-    return tuple(out)
-
-
 def resolve_options(given: dict[str, Any], gpus: int) -> PipelineBenchOptions:
     """The bench's options: ``given`` (what the command line set; absent keys take the defaults) on
     ``device`` with ``gpus`` GPUs visible. On cuda, GPU_DEFAULTS replace the CPU defaults and the
@@ -134,24 +111,10 @@ def resolve_options(given: dict[str, Any], gpus: int) -> PipelineBenchOptions:
     return PipelineBenchOptions(**values)
 
 
-def _composed(overrides: tuple[str, ...]) -> dict[str, Any]:
-    """``configs/train.yaml`` composed with ``overrides``, as ``disagg train`` composes it."""
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
-
-    from disagg.cli import CONFIG_DIR
-
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        dc = compose(config_name="train", overrides=list(overrides))
-    data = OmegaConf.to_container(dc, resolve=False)
-    data.pop("hydra", None)
-    return data
-
-
 def _base_config(o: PipelineBenchOptions, **overrides: dict):
     from disagg.config import load_config
 
-    data: dict[str, Any] = _composed(o.overrides) if o.overrides else {}
+    data: dict[str, Any] = composed(o.overrides) if o.overrides else {}
     settings: dict[str, dict] = {"logging": {"progress": False, "backends": ["jsonl"], "plot": False},
                                  "cluster": {"num_cpus": o.cpus, "device": o.device}}
     rollout_cores, trainer_cores = pool_cores(o.pin_pools)
@@ -398,15 +361,6 @@ def async_vs_sync(o: PipelineBenchOptions, run_dir: Path) -> dict[str, Any]:
     return out
 
 
-def _machine(device: str) -> str:
-    if device == "cuda":
-        import torch
-
-        n = torch.cuda.device_count()
-        return f"{n} x {torch.cuda.get_device_name(0)}"
-    return f"{os.cpu_count()} CPUs"
-
-
 def run(o: PipelineBenchOptions, only: set[str]) -> dict[str, Any]:
     import ray
 
@@ -415,7 +369,7 @@ def run(o: PipelineBenchOptions, only: set[str]) -> dict[str, Any]:
     rollout_cores, trainer_cores = pool_cores(o.pin_pools)
     report: dict[str, Any] = {"options": dataclasses.asdict(o), "cpus": os.cpu_count(),
                               "date": time.strftime("%Y-%m-%d"), "rollout_cores": rollout_cores,
-                              "trainer_cores": trainer_cores, "machine": _machine(o.device)}
+                              "trainer_cores": trainer_cores, "machine": machine(o.device)}
     ray.init(num_cpus=o.cpus, include_dashboard=False, ignore_reinit_error=True)
     try:
         if "tail" in only:
@@ -491,12 +445,6 @@ def render(report: dict[str, Any]) -> None:
     Console().print(table)
 
 
-def _visible_gpus() -> int:
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="disagg bench pipeline", description=__doc__.split("\n\n")[0])
     f = {x.name: x for x in dataclasses.fields(PipelineBenchOptions)}
@@ -524,7 +472,7 @@ def main(argv: list[str]) -> int:
         p.error(f"overrides must be key=value, got {bad}")
     a["overrides"] = tuple(a.get("overrides", ()))
     try:
-        opts = resolve_options(a, _visible_gpus() if a.get("device", "cpu") != "cpu" else 0)
+        opts = resolve_options(a, visible_gpus() if a.get("device", "cpu") != "cpu" else 0)
     except ValueError as e:
         p.error(str(e))
     setup_logging("bench", opts.log_level)

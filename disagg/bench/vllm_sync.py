@@ -26,7 +26,7 @@ untimed syncs first: a direct load learns its copy plan in the first) and then f
              the trainer's ``trainer_send_weights`` beside ``AsyncLLM``'s start / update / finish
              (vLLM's layerwise reload), from the driver's dispatch until both are done; with
              ``--peer checkpoint-engine``: through checkpoint-engine 0.4.2 as its users drive it each
-             step (``disagg.bench.ckpt_engine_peer``): register the trainer's weights (cast, copied into
+             step (``disagg.peers.ckpt_engine``): register the trainer's weights (cast, copied into
              its pinned host memory; timed apart), then gather_metas and update on every rank (host ->
              GPU, NCCL broadcast, CUDA IPC into vLLM's worker), from the driver's dispatch until all are done
 
@@ -47,7 +47,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from disagg.bench.pipeline import _composed, _machine, _visible_gpus, bench_device, gpu_overrides
+from disagg.bench.common import bench_device, composed, gpu_overrides, machine, visible_gpus
 from disagg.rollout.types import TIMELINE
 from disagg.logs import setup_logging
 
@@ -149,7 +149,7 @@ def summarise(raw_s: list[float], syncs: dict[str, list[dict[str, Any]]],
 def _config(o: VllmSyncOptions):
     from disagg.config import load_config
 
-    data = _composed(o.overrides)
+    data = composed(o.overrides)
     data.setdefault("cluster", {})["device"] = o.device
     data.setdefault("logging", {}).update(progress=False, backends=["jsonl"], plot=False)
     data.setdefault("model", {}).setdefault("warmstart", {})["steps"] = 0  # the weights' values do not matter
@@ -166,7 +166,7 @@ def run(o: VllmSyncOptions) -> dict[str, Any]:
     run_dir = Path(o.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {"options": dataclasses.asdict(o), "date": time.strftime("%Y-%m-%d %H:%M"),
-                              "machine": _machine(o.device)}
+                              "machine": machine(o.device)}
     model_path = prepare_model(cfg)
     job = Job.start(cfg, run_dir, model_path)
     try:
@@ -256,7 +256,7 @@ def _peer_init(job, cfg, peer: str) -> dict[str, Any]:
 
     host, port = job.trainer.transport_endpoint(0)
     if peer == "checkpoint-engine":
-        from disagg.bench.ckpt_engine_peer import ps_ranks
+        from disagg.peers.ckpt_engine import ps_ranks
 
         world, ranks = ps_ranks(len(job.rollout.engines), cfg.rollout.tensor_parallel_size, cfg.trainer.num_workers)
         ray.get([job.trainer.transport_method(0, "ckpt_init").remote(host, port, world)]
@@ -372,7 +372,7 @@ def main(argv: list[str]) -> int:
     if a["repeats"] < 1 or a["warmup"] < 0:
         p.error(f"--repeats must be >= 1 and --warmup >= 0, got {a['repeats']} and {a['warmup']}")
     try:
-        opts = resolve_options(a, _visible_gpus() if a["device"] != "cpu" else 0)
+        opts = resolve_options(a, visible_gpus() if a["device"] != "cpu" else 0)
     except ValueError as e:
         p.error(str(e))
     setup_logging("bench", opts.log_level)

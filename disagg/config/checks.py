@@ -26,49 +26,105 @@ def _check(cond: bool, msg: str) -> None:
 
 
 def validate(cfg: Config, mode: str = "train") -> Config:
-    """Cross-field checks, each raising a ConfigError that quotes the values.
+    """Cross-field checks, each raising a ConfigError that quotes the values: the range of every
+    numeric key in ``RANGES``, then one check per concern in ``CHECKS``.
 
     ``mode`` is "train" (engines on dummy weights, fed by the trainer) or
     "generate" (standalone engines that load ``model.path`` themselves).
     """
-    t, r, a, tr = cfg.trainer, cfg.rollout, cfg.algorithm, cfg.transport
-    for key, v in [
-        ("trainer.num_workers", t.num_workers),
-        ("trainer.total_steps", t.total_steps),
-        ("trainer.micro_batch_size", t.micro_batch_size),
-        ("trainer.cpus_per_worker", t.cpus_per_worker),
-        ("trainer.torch_threads", t.torch_threads),
-        ("rollout.num_engines", r.num_engines),
-        ("rollout.tensor_parallel_size", r.tensor_parallel_size),
-        ("rollout.max_model_len", r.max_model_len),
-        ("rollout.max_tokens", r.max_tokens),
-        ("rollout.max_num_seqs", r.max_num_seqs),
-        ("rollout.cpus_per_engine", r.cpus_per_engine),
-        ("algorithm.prompts_per_step", a.prompts_per_step),
-        ("transport.bucket_bytes", tr.bucket_bytes),
-        ("transport.num_buffers", tr.num_buffers),
-        ("data.num_digits", cfg.data.num_digits),
-    ]:
-        _check(v >= 1, f"{key}={v}: must be >= 1")
-    for key, v in [
-        ("trainer.lr", t.lr),
-        ("transport.timeout_s", tr.timeout_s),
-        ("control.rpc_timeout_s", cfg.control.rpc_timeout_s),
-        ("cluster.placement_timeout_s", cfg.cluster.placement_timeout_s),
-        ("cluster.actor_timeout_s", cfg.cluster.actor_timeout_s),
-        ("rollout.start_timeout_s", r.start_timeout_s),
-        ("trainer.gpus_per_worker", t.gpus_per_worker),
-        ("rollout.gpus_per_engine", r.gpus_per_engine),
-        ("rollout.health_interval_s", r.health_interval_s),
-        ("rollout.health_timeout_s", r.health_timeout_s),
-    ]:
-        _check(v > 0, f"{key}={v}: must be > 0")
+    for key, rule, note in RANGES:
+        v = _value(cfg, key)
+        ok, want = _RULES[rule]
+        _check(ok(v), f"{key}={v}: must be {want}{note}")
+    for check in CHECKS:
+        check(cfg, mode)
+    return cfg
+
+
+_RULES = {">= 1": (lambda v: v >= 1, ">= 1"), "> 0": (lambda v: v > 0, "> 0"), ">= 0": (lambda v: v >= 0, ">= 0")}
+
+RANGES: tuple[tuple[str, str, str], ...] = (
+    # (key, rule, what the message adds)
+    ("trainer.num_workers", ">= 1", ""),
+    ("trainer.total_steps", ">= 1", ""),
+    ("trainer.micro_batch_size", ">= 1", ""),
+    ("trainer.cpus_per_worker", ">= 1", ""),
+    ("trainer.torch_threads", ">= 1", ""),
+    ("rollout.num_engines", ">= 1", ""),
+    ("rollout.tensor_parallel_size", ">= 1", ""),
+    ("rollout.max_model_len", ">= 1", ""),
+    ("rollout.max_tokens", ">= 1", ""),
+    ("rollout.max_num_seqs", ">= 1", ""),
+    ("rollout.cpus_per_engine", ">= 1", ""),
+    ("algorithm.prompts_per_step", ">= 1", ""),
+    ("transport.bucket_bytes", ">= 1", ""),
+    ("transport.num_buffers", ">= 1", ""),
+    ("data.num_digits", ">= 1", ""),
+    ("trainer.lr", "> 0", ""),
+    ("transport.timeout_s", "> 0", ""),
+    ("control.rpc_timeout_s", "> 0", ""),
+    ("cluster.placement_timeout_s", "> 0", ""),
+    ("cluster.actor_timeout_s", "> 0", ""),
+    ("rollout.start_timeout_s", "> 0", ""),
+    ("trainer.gpus_per_worker", "> 0", ""),
+    ("rollout.gpus_per_engine", "> 0", ""),
+    ("rollout.health_interval_s", "> 0", ""),
+    ("rollout.health_timeout_s", "> 0", ""),
+    ("algorithm.max_staleness", ">= 0", ""),
+    ("transport.max_sync_retries", ">= 0", ""),
+    ("algorithm.kl_coef", ">= 0", ""),
+    ("trainer.warmup_steps", ">= 0", ""),
+    ("trainer.micro_batch_tokens", ">= 0", " (0: no token budget)"),
+    ("trainer.checkpoint_every", ">= 0", " (0 = off)"),
+    ("trainer.keep_checkpoints", ">= 0", " (0 = keep all)"),
+    ("model.warmstart.steps", ">= 0", ""),
+    ("model.warmstart.warmup_steps", ">= 0", ""),
+    ("model.warmstart.grad_clip", ">= 0", ""),
+    ("model.warmstart.batch_size", ">= 1", ""),
+    ("model.warmstart.lr", "> 0", ""),
+    ("agent.max_turns", ">= 1", ""),
+    ("agent.max_tokens_per_turn", ">= 1", ""),
+    ("agent.max_trajectory_tokens", ">= 1", ""),
+    ("agent.num_runners", ">= 1", ""),
+    ("agent.client_max_retries", ">= 0", ""),
+    ("algorithm.is_cap", "> 0", ""),
+    ("algorithm.num_minibatches", ">= 1", ""),
+    ("reward.num_workers", ">= 0", ""),
+    ("reward.latency_s", ">= 0", ""),
+    ("trainer.step_delay_s", ">= 0", ""),
+)
+"""Every numeric key with a plain range, one row each."""
+
+
+def _value(cfg: Config, key: str):
+    out = cfg
+    for part in key.split("."):
+        out = getattr(out, part)
+    return out
+
+
+def _check_sampling(cfg: Config, mode: str) -> None:
+    r = cfg.rollout
     if mode == "train":
         _check(r.temperature > 0, f"rollout.temperature={r.temperature}: training samples need a temperature > 0")
     else:
         _check(r.temperature >= 0, f"rollout.temperature={r.temperature}: must be >= 0 (0 = greedy)")
-    _check(a.group_size >= 2, f"algorithm.group_size={a.group_size}: GRPO needs >= 2 samples per prompt")
-    _check(a.max_staleness >= 0, f"algorithm.max_staleness={a.max_staleness}: must be >= 0")
+    _check(cfg.algorithm.group_size >= 2,
+           f"algorithm.group_size={cfg.algorithm.group_size}: GRPO needs >= 2 samples per prompt")
+    _check(0 < r.top_p <= 1, f"rollout.top_p={r.top_p}: must be in (0, 1]")
+    _check(0 < r.gpu_memory_utilization < 1,
+           f"rollout.gpu_memory_utilization={r.gpu_memory_utilization}: must be in (0, 1)")
+    _check(r.max_tokens < r.max_model_len,
+           f"rollout.max_tokens={r.max_tokens} must be < rollout.max_model_len={r.max_model_len}")
+    _check(r.load_format == ("dummy" if mode == "train" else "auto"),
+           f"rollout.load_format={r.load_format!r}: training engines start on dummy weights and wait for the "
+           "trainer's first sync; 'auto' is for standalone `disagg generate`")
+    _check(0 <= r.api_port_base < 65536, f"rollout.api_port_base={r.api_port_base}: must be in [0, 65535]")
+
+
+def _check_devices(cfg: Config, mode: str) -> None:
+    """GPUs per rank, tensor parallelism, the transport backend on shared GPUs, CPU affinity."""
+    t, r, tr = cfg.trainer, cfg.rollout, cfg.transport
     for key, v in (("trainer.gpus_per_worker", t.gpus_per_worker), ("rollout.gpus_per_engine", r.gpus_per_engine)):
         _check(v <= 1, f"{key}={v:g}: must be <= 1 (one GPU per rank; more GPUs = more workers or engines)")
     _check(r.gpus_per_engine == 1 or r.tensor_parallel_size == 1,
@@ -78,131 +134,111 @@ def validate(cfg: Config, mode: str = "train") -> Config:
            f"transport.backend='nccl' with trainer.gpus_per_worker={t.gpus_per_worker:g}, rollout.gpus_per_engine="
            f"{r.gpus_per_engine:g}: the trainer and the engines may share a GPU, and NCCL puts one rank per GPU; "
            "use transport.backend=gloo (or auto)")
-    _check(tr.max_sync_retries >= 0, f"transport.max_sync_retries={tr.max_sync_retries}: must be >= 0")
     _check(tr.dtype is None or tr.dtype in WIRE_DTYPES,
            f"transport.dtype={tr.dtype!r}: must be null (the trainer's dtype) or one of {', '.join(WIRE_DTYPES)}")
-    _check_strings(cfg)
-    _check(0 < a.clip_eps < 1, f"algorithm.clip_eps={a.clip_eps}: must be in (0, 1)")
-    _check(a.kl_coef >= 0, f"algorithm.kl_coef={a.kl_coef}: must be >= 0")
-    _check(0 < r.top_p <= 1, f"rollout.top_p={r.top_p}: must be in (0, 1]")
-    _check(
-        0 < r.gpu_memory_utilization < 1,
-        f"rollout.gpu_memory_utilization={r.gpu_memory_utilization}: must be in (0, 1)",
-    )
-    _check(
-        r.max_tokens < r.max_model_len,
-        f"rollout.max_tokens={r.max_tokens} must be < rollout.max_model_len={r.max_model_len}",
-    )
-    _check(t.warmup_steps >= 0, f"trainer.warmup_steps={t.warmup_steps}: must be >= 0")
-    _check(t.micro_batch_tokens >= 0,
-           f"trainer.micro_batch_tokens={t.micro_batch_tokens}: must be >= 0 (0: no token budget)")
-    _check(t.checkpoint_every >= 0, f"trainer.checkpoint_every={t.checkpoint_every}: must be >= 0 (0 = off)")
-    _check(t.keep_checkpoints >= 0, f"trainer.keep_checkpoints={t.keep_checkpoints}: must be >= 0 (0 = keep all)")
-    from disagg.storage import check_location, is_url
-
-    for key, where in (("trainer.checkpoint_dir", t.checkpoint_dir), ("resume", cfg.resume)):
-        if where is not None:
-            check_location(key, where)
-    _check(cfg.resume is None or is_url(cfg.resume) or os.path.isdir(os.path.expanduser(cfg.resume)),
-           f"resume={cfg.resume!r}: not a directory (a run directory, a checkpoint directory or one checkpoint "
-           "step_<N>)")
     n_cpu = os.cpu_count() or 1
     for key, cores in (("trainer.cpu_affinity", t.cpu_affinity), ("rollout.cpu_affinity", r.cpu_affinity)):
         _check(cores is None or (len(cores) > 0 and all(0 <= c < n_cpu for c in cores)),
                f"{key}={list(cores) if cores is not None else None}: cores must be a non-empty list of ids in "
                f"[0, {n_cpu - 1}] (this machine has {n_cpu})")
-    ws = cfg.model.warmstart
-    for key, v in [("model.warmstart.steps", ws.steps), ("model.warmstart.warmup_steps", ws.warmup_steps),
-                   ("model.warmstart.grad_clip", ws.grad_clip)]:
-        _check(v >= 0, f"{key}={v}: must be >= 0")
-    _check(ws.batch_size >= 1, f"model.warmstart.batch_size={ws.batch_size}: must be >= 1")
-    _check(ws.lr > 0, f"model.warmstart.lr={ws.lr}: must be > 0")
+    _check_cluster_placement(cfg.cluster)
+
+
+def _check_storage(cfg: Config, mode: str) -> None:
+    """Checkpoint and resume locations."""
+    from disagg.storage import check_location, is_url
+
+    for key, where in (("trainer.checkpoint_dir", cfg.trainer.checkpoint_dir), ("resume", cfg.resume)):
+        if where is not None:
+            check_location(key, where)
+    _check(cfg.resume is None or is_url(cfg.resume) or os.path.isdir(os.path.expanduser(cfg.resume)),
+           f"resume={cfg.resume!r}: not a directory (a run directory, a checkpoint directory or one checkpoint "
+           "step_<N>)")
+
+
+def _check_control(cfg: Config, mode: str) -> None:
+    """The coordinator's TLS files and ports."""
     c = cfg.control
     _check((c.tls_cert is None) == (c.tls_key is None),
            f"control.tls_cert={c.tls_cert!r}, control.tls_key={c.tls_key!r}: TLS needs both (or neither)")
     for key, v in (("control.tls_cert", c.tls_cert), ("control.tls_key", c.tls_key), ("control.tls_ca", c.tls_ca)):
         _check(v is None or os.path.isfile(os.path.expanduser(v)), f"{key}={v!r}: no such file")
-    _check(0 <= cfg.control.port < 65536, f"control.port={cfg.control.port}: must be in [0, 65535]")
+    _check(0 <= c.port < 65536, f"control.port={c.port}: must be in [0, 65535]")
     _check(c.metrics_port is None or 0 <= c.metrics_port < 65536,
            f"control.metrics_port={c.metrics_port}: must be in [0, 65535] (0 = a free port) or null (off)")
     _check(not c.metrics_port or c.metrics_port != c.port,
            f"control.metrics_port={c.metrics_port} and control.port={c.port}: /metrics needs a port of its own")
-    _check_cluster_placement(cfg.cluster)
-    if cfg.model.path is None:
-        tiny = cfg.model.tiny
-        kv = tiny.num_kv_heads or tiny.num_heads
-        _check(kv >= 1 and tiny.num_heads % kv == 0,
-               f"model.tiny.num_kv_heads={tiny.num_kv_heads}: must divide model.tiny.num_heads={tiny.num_heads}")
-        from disagg.model.tiny import vocab
 
-        n_vocab = len(vocab())
-        _check(tiny.vocab_size is None or tiny.vocab_size >= n_vocab,
-               f"model.tiny.vocab_size={tiny.vocab_size}: must be >= {n_vocab} (the embedded tokenizer's size) or null")
-        _check(
-            tiny.hidden_size % tiny.num_heads == 0 and tiny.hidden_size // tiny.num_heads in (32, 64, 128),
-            f"model.tiny.hidden_size={tiny.hidden_size} / model.tiny.num_heads={tiny.num_heads}: "
-            "head_dim must be 32, 64 or 128 (vLLM CPU attention)",
-        )
-        _check(
-            r.max_model_len <= tiny.max_position_embeddings,
-            f"rollout.max_model_len={r.max_model_len} exceeds model.tiny.max_position_embeddings="
-            f"{tiny.max_position_embeddings}",
-        )
-    elif not os.path.isdir(os.path.expanduser(cfg.model.path)):
-        raise ConfigError(f"model.path={cfg.model.path!r}: not a local directory (nothing can be downloaded)")
-    _check(
-        cfg.reward.name is not None or cfg.reward.path is not None,
-        "reward.name and reward.path are both null: set one",
-    )
-    _check(
-        r.load_format == ("dummy" if mode == "train" else "auto"),
-        f"rollout.load_format={r.load_format!r}: training engines start on dummy weights and wait for the "
-        "trainer's first sync; 'auto' is for standalone `disagg generate`",
-    )
-    _check(
-        cfg.data.task != "code" or cfg.data.train_files or cfg.reward.path is not None
-        or cfg.reward.name != "reverse_digits",
-        "data.task=code is scored by running the answer's tests: set reward.name=code_tests "
-        "(reward.name=reverse_digits would score code as digits)",
-    )
-    _check(
-        cfg.data.task != "calculator" or cfg.data.train_files or cfg.reward.path is not None
-        or cfg.reward.name == "calculator",
-        f"data.task=calculator is scored on the final answer: set reward.name=calculator "
-        f"(got reward.name={cfg.reward.name!r}); `disagg train task=calculator` sets both",
-    )
+
+def _check_model(cfg: Config, mode: str) -> None:
+    """The embedded model's shape (vLLM's CPU attention, the tokenizer's size), or a local model.path."""
+    if cfg.model.path is not None:
+        if not os.path.isdir(os.path.expanduser(cfg.model.path)):
+            raise ConfigError(f"model.path={cfg.model.path!r}: not a local directory (nothing can be downloaded)")
+        return
+    from disagg.vocab import vocab
+
+    tiny, r = cfg.model.tiny, cfg.rollout
+    kv = tiny.num_kv_heads or tiny.num_heads
+    _check(kv >= 1 and tiny.num_heads % kv == 0,
+           f"model.tiny.num_kv_heads={tiny.num_kv_heads}: must divide model.tiny.num_heads={tiny.num_heads}")
+    n_vocab = len(vocab())
+    _check(tiny.vocab_size is None or tiny.vocab_size >= n_vocab,
+           f"model.tiny.vocab_size={tiny.vocab_size}: must be >= {n_vocab} (the embedded tokenizer's size) or null")
+    _check(tiny.hidden_size % tiny.num_heads == 0 and tiny.hidden_size // tiny.num_heads in (32, 64, 128),
+           f"model.tiny.hidden_size={tiny.hidden_size} / model.tiny.num_heads={tiny.num_heads}: "
+           "head_dim must be 32, 64 or 128 (vLLM CPU attention)")
+    _check(r.max_model_len <= tiny.max_position_embeddings,
+           f"rollout.max_model_len={r.max_model_len} exceeds model.tiny.max_position_embeddings="
+           f"{tiny.max_position_embeddings}")
+
+
+def _check_task(cfg: Config, mode: str) -> None:
+    """The reward a task needs, and the agent's limits."""
+    rw = cfg.reward
+    _check(rw.name is not None or rw.path is not None, "reward.name and reward.path are both null: set one")
+    _check(cfg.data.task != "code" or cfg.data.train_files or rw.path is not None or rw.name != "reverse_digits",
+           "data.task=code is scored by running the answer's tests: set reward.name=code_tests "
+           "(reward.name=reverse_digits would score code as digits)")
+    _check(cfg.data.task != "calculator" or cfg.data.train_files or rw.path is not None or rw.name == "calculator",
+           f"data.task=calculator is scored on the final answer: set reward.name=calculator "
+           f"(got reward.name={rw.name!r}); `disagg train task=calculator` sets both")
     ag = cfg.agent
-    for key, v in [("agent.max_turns", ag.max_turns), ("agent.max_tokens_per_turn", ag.max_tokens_per_turn),
-                   ("agent.max_trajectory_tokens", ag.max_trajectory_tokens), ("agent.num_runners", ag.num_runners),
-                   ]:
-        _check(v >= 1, f"{key}={v}: must be >= 1")
     _check(ag.max_tool_result_chars >= 100,
            f"agent.max_tool_result_chars={ag.max_tool_result_chars}: must be >= 100 (room for error messages)")
-    _check(ag.client_max_retries >= 0, f"agent.client_max_retries={ag.client_max_retries}: must be >= 0")
     _check(ag.client_timeout_s is None or ag.client_timeout_s > 0,
            f"agent.client_timeout_s={ag.client_timeout_s}: must be > 0 or null (no timeout)")
-    _check(0 <= r.api_port_base < 65536, f"rollout.api_port_base={r.api_port_base}: must be in [0, 65535]")
-    _check(a.is_cap > 0, f"algorithm.is_cap={a.is_cap}: must be > 0")
-    _check(a.num_minibatches >= 1, f"algorithm.num_minibatches={a.num_minibatches}: must be >= 1")
+
+
+def _check_batches(cfg: Config, mode: str) -> None:
+    """The loss's clip, and how a step's groups split into mini-batches, in flight and over workers."""
+    a, r, t = cfg.algorithm, cfg.rollout, cfg.trainer
+    _check(0 < a.clip_eps < 1, f"algorithm.clip_eps={a.clip_eps}: must be in (0, 1)")
     _check(a.prompts_per_step % a.num_minibatches == 0,
            f"algorithm.num_minibatches={a.num_minibatches}: must divide algorithm.prompts_per_step="
            f"{a.prompts_per_step}")
     _check(r.max_inflight_groups >= a.prompts_per_step,
            f"rollout.max_inflight_groups={r.max_inflight_groups}: must be >= algorithm.prompts_per_step="
            f"{a.prompts_per_step} (a step needs that many groups)")
-    _check(cfg.reward.num_workers >= 0, f"reward.num_workers={cfg.reward.num_workers}: must be >= 0")
-    _check(cfg.reward.latency_s >= 0, f"reward.latency_s={cfg.reward.latency_s}: must be >= 0")
-    _check(cfg.trainer.step_delay_s >= 0, f"trainer.step_delay_s={cfg.trainer.step_delay_s}: must be >= 0")
+    if t.num_workers > 1:
+        per = a.prompts_per_step * a.group_size
+        _check(per >= t.num_workers,
+               f"algorithm.prompts_per_step*group_size={per} is smaller than trainer.num_workers={t.num_workers}")
+
+
+def _check_trackers(cfg: Config, mode: str) -> None:
     from disagg.trackers import check_backends
 
     check_backends(cfg.logging.backends, need_packages=mode == "train")
-    if cfg.trainer.num_workers > 1:
-        per = a.prompts_per_step * a.group_size
-        _check(
-            per >= cfg.trainer.num_workers,
-            f"algorithm.prompts_per_step*group_size={per} is smaller than trainer.num_workers={t.num_workers}",
-        )
-    return cfg
+
+
+def _check_strings_of(cfg: Config, mode: str) -> None:
+    _check_strings(cfg)
+
+
+CHECKS = (_check_sampling, _check_devices, _check_strings_of, _check_storage, _check_control, _check_model,
+          _check_task, _check_batches, _check_trackers)
+"""One check per concern, in this order, after RANGES."""
 
 
 # Resources a bundle gets from other keys (trainer.cpus_per_worker, cluster.device, cluster.*_nodes).

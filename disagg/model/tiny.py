@@ -10,23 +10,16 @@ The tokenizer also speaks the Qwen/Hermes chat and tool-calling format
 (``<|im_start|>``/``<|im_end|>`` turns, ``<tool_call>`` / ``<tool_response>``
 tags, one token each) with a compact chat template, so vLLM's OpenAI chat
 endpoint and its ``hermes`` tool parser work on the tiny model as on a real
-Qwen2 checkpoint. Token ids of the original characters never change (new ones
-are appended), so checkpoints of the reverse task keep their meaning.
+Qwen2 checkpoint. The vocabulary itself is ``disagg/vocab.py``.
 """
 
 from __future__ import annotations
 
-import string
 from pathlib import Path
 
 from disagg.config import TinyModelConfig
+from disagg.vocab import IM_END, IM_START, TOOL_TAGS, vocab
 
-SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]
-CHARS = string.digits + string.ascii_lowercase + " +-*=:?.,()#"
-# Appended after CHARS (ids of the above unchanged): the rest of printable ASCII and newline.
-EXTRA_CHARS = "".join(c for c in string.ascii_uppercase + string.punctuation + "\n" if c not in CHARS)
-IM_START, IM_END = "<|im_start|>", "<|im_end|>"
-TOOL_TAGS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 _BYTE_LEVEL = {" ": "\u0120", "\n": "\u010a"}  # GPT-2 byte-level symbols; other printable ASCII maps to itself
 
 # Qwen2.5's turn format with a one-line tool list (the model is too small for JSON schemas
@@ -60,10 +53,6 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-
-
-def vocab() -> list[str]:
-    return SPECIAL_TOKENS + list(CHARS) + list(EXTRA_CHARS) + [IM_START, IM_END] + TOOL_TAGS
 
 
 def build_tokenizer():

@@ -23,7 +23,7 @@ class RewardWorker:
     def __init__(self, name: str | None, path: str | None, latency_s: float, log_level: str,
                  require_sandbox_isolation: bool = False) -> None:
         from disagg.logs import setup_logging
-        from disagg.tasks.base import get_reward
+        from disagg.tasks import get_reward
         from disagg.tasks.sandbox import require_filesystem_isolation
 
         setup_logging("reward", log_level)

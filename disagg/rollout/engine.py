@@ -61,17 +61,6 @@ def model_tensor_specs(model_path: str) -> tuple:
     return tuple(TensorSpec(n, tuple(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in model.named_parameters())
 
 
-def _sampled_logprobs(logprobs, ids: list[int]) -> list[float]:
-    """The log-prob of each sampled token. With ``logprobs=0`` and ``flat_logprobs`` vLLM keeps
-    exactly the sampled token per position, in flat lists; otherwise it is looked up by id."""
-    if not logprobs:
-        return []
-    flat_ids = getattr(logprobs, "token_ids", None)  # vLLM's FlatLogprobs
-    if flat_ids is not None and list(flat_ids) == ids and len(logprobs.logprobs) == len(ids):
-        return list(logprobs.logprobs)
-    return [logprobs[j][t].logprob for j, t in enumerate(ids)]
-
-
 class EngineActor:
     """A vLLM engine behind a weights-loaded gate. Wrapped with ``ray.remote`` by the pool."""
 
@@ -550,7 +539,7 @@ class EngineActor:
             if versions is None:
                 raise RolloutError(f"request {req.request_id}: vLLM {vllm_api.vllm_version()} labels no token "
                                    "with its weight version: rollout.in_flight_at_sync must be 'resubmit'")
-            comps[o.index] = Completion(ids, _sampled_logprobs(o.logprobs, ids),
+            comps[o.index] = Completion(ids, vllm_api.sampled_logprobs(o.logprobs, ids),
                                         str(o.finish_reason) if o.finish_reason else "", versions)
         if len(comps) != s.n:
             raise EngineDeadError(f"engine {self.engine_id} returned {len(comps)} of {s.n} samples for {req.request_id}")
@@ -579,7 +568,7 @@ class EngineActor:
             if labels is not None and any(v != version for v in labels):  # vLLM's own labels, where it has them
                 raise RolloutError(f"request {rid}: served as version {version} but vLLM labels its tokens {labels}")
             ids += new
-            logprobs += _sampled_logprobs(o.logprobs, new)
+            logprobs += vllm_api.sampled_logprobs(o.logprobs, new)
             versions += [version] * len(new)
             if o.finish_reason == "abort" and rid in self._aborted_by_sync:
                 self._aborted_by_sync.discard(rid)
@@ -618,8 +607,8 @@ class EngineActor:
 
     async def ckpt_init(self, host: str, port: int, rank: int, world_size: int) -> None:
         """``disagg bench vllm-sync --peer checkpoint-engine``: a ParameterServer rank in this actor's process,
-        on the engine's GPU (``disagg.bench.ckpt_engine_peer``); its rendezvous runs off the event loop."""
-        from disagg.bench.ckpt_engine_peer import ParameterServerRank
+        on the engine's GPU (``disagg.peers.ckpt_engine``); its rendezvous runs off the event loop."""
+        from disagg.peers.ckpt_engine import ParameterServerRank
 
         self._ckpt = await asyncio.to_thread(ParameterServerRank, host, port, rank, world_size,
                                              self.transport_cfg.timeout_s)

@@ -33,13 +33,10 @@ class ToolCallParser:
     """``parse(text) -> ParsedTurn`` with vLLM's registered parser ``name``."""
 
     def __init__(self, name: str, tokenizer, tools: list[dict]) -> None:
-        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-        from vllm.tool_parsers import ToolParserManager
+        from disagg.rollout import vllm_api
 
-        cls = ToolParserManager.get_tool_parser(name)
+        cls, self._request = vllm_api.tool_parser(name, tools)
         self._tokenizer, self._cls = tokenizer, cls
-        self._request = ChatCompletionRequest(model="policy", messages=[{"role": "user", "content": ""}],
-                                              tools=tools or None)
         self.start_tag = getattr(cls, "tool_call_start_token", None) or "<tool_call>"
         # A malformed call is expected model output during RL, reported per trajectory; the
         # parser's own traceback for each one would flood the log.

@@ -19,6 +19,18 @@ OpenAI server and the weight-transfer backend call the functions here:
 - ``WeightTransferEngine.trainer_send_weights`` is abstract in 0.26: the backend
   defines it (``vllm_transfer``).
 
+And what disagg reads of vLLM's inner structure, the same in both (checked on 0.26.0 and
+0.32.0), kept here so that an upgrade that moves it breaks in this module only:
+
+- ``FlatLogprobs`` (``flat_logprobs=True``): the sampled tokens' log-probs in flat lists
+  (``sampled_logprobs``).
+- The tool parsers' registry (``vllm.tool_parsers.ToolParserManager``) and the chat request
+  they parse against (``vllm.entrypoints.openai.chat_completion.protocol``): ``tool_parser``.
+- The weight-transfer engines' registry (``WeightTransferEngineFactory``, whose ``_registry``
+  is private): ``register_transfer_backend``.
+- The layerwise reload (``vllm.model_executor.model_loader.reload``) and the embedding a tied
+  lm_head shares (``VocabParallelEmbedding``): ``begin_layerwise_reload``, ``end_layerwise_reload``.
+
 Only the rollout package imports this module; it imports vLLM lazily, so that
 the unit tests of the span logic run without it.
 """
@@ -164,3 +176,61 @@ def openai_app_builders():
             continue
         return app.build_app, state.init_app_state, args.make_arg_parser, FlexibleArgumentParser
     raise RolloutError(f"vLLM {vllm_version()}: no OpenAI server builders found (supported: vLLM {SUPPORTED_VLLM})")
+
+
+def sampled_logprobs(logprobs, ids: list[int]) -> list[float]:
+    """The log-prob of each sampled token of a ``CompletionOutput``. With ``logprobs=0`` and
+    ``flat_logprobs`` vLLM keeps exactly the sampled token per position in flat lists (its
+    ``FlatLogprobs``); otherwise it is looked up by id in each position's dict."""
+    if not logprobs:
+        return []
+    flat_ids = getattr(logprobs, "token_ids", None)  # vLLM's FlatLogprobs
+    if flat_ids is not None and list(flat_ids) == ids and len(logprobs.logprobs) == len(ids):
+        return list(logprobs.logprobs)
+    return [logprobs[j][t].logprob for j, t in enumerate(ids)]
+
+
+def tool_parser(name: str, tools: list[dict] | None) -> tuple[type, Any]:
+    """vLLM's tool-call parser class registered as ``name`` and a chat request offering ``tools``
+    (what its ``extract_tool_calls`` reads); ConfigError naming ``rollout.tool_call_parser`` and
+    the parsers there are when ``name`` is not one."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.tool_parsers import ToolParserManager
+
+    try:
+        cls = ToolParserManager.get_tool_parser(name)
+    except KeyError as e:
+        known = sorted({*getattr(ToolParserManager, "tool_parsers", {}), *getattr(ToolParserManager, "lazy_parsers", {})})
+        raise ConfigError(f"rollout.tool_call_parser={name!r}: vLLM has no such tool parser"
+                          + (f"; known: {known}" if known else "")) from e
+    request = ChatCompletionRequest(model="policy", messages=[{"role": "user", "content": ""}], tools=tools or None)
+    return cls, request
+
+
+def register_transfer_backend(name: str, module: str, class_name: str) -> None:
+    """Make ``weight_transfer_config={"backend": name}`` build ``module.class_name`` (once per process)."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    if name not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(name, module, class_name)
+
+
+def begin_layerwise_reload(model) -> None:
+    """Start vLLM's layerwise reload of ``model``: each layer's weights are processed (quantised,
+    repacked) as soon as all of them arrived through ``load_weights``."""
+    from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+    initialize_layerwise_reload(model)
+
+
+def end_layerwise_reload(model, model_config) -> None:
+    """Finish it: the layers still waiting for weights are processed. A tied lm_head keeps the dummy
+    weights' packed copy unless its quant method re-processes the reloaded embedding (REFERENCE.md,
+    CPU pitfalls), so every ``VocabParallelEmbedding`` is processed again."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+    finalize_layerwise_reload(model, model_config)
+    for module in model.modules():
+        if isinstance(module, VocabParallelEmbedding):
+            module.quant_method.process_weights_after_loading(module)

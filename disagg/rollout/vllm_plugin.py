@@ -9,9 +9,6 @@ BACKEND_NAME = "disagg"
 
 
 def register() -> None:
-    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    from disagg.rollout.vllm_api import register_transfer_backend
 
-    if BACKEND_NAME not in WeightTransferEngineFactory._registry:
-        WeightTransferEngineFactory.register_engine(
-            BACKEND_NAME, "disagg.rollout.vllm_transfer", "DisaggWeightTransferEngine"
-        )
+    register_transfer_backend(BACKEND_NAME, "disagg.rollout.vllm_transfer", "DisaggWeightTransferEngine")

@@ -42,6 +42,7 @@ import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
 
 from disagg.errors import ChecksumError, SyncCancelled
+from disagg.rollout import vllm_api
 from disagg.transport.copyplan import CopyPlan, Recorded, learn
 from disagg.transport.group import create_group, timed_raw_broadcasts
 from disagg.transport.manifest import Manifest
@@ -145,9 +146,7 @@ class DisaggWeightTransferEngine(WeightTransferEngine[DisaggInitInfo, DisaggUpda
             self._load_direct(tensors)
         else:
             if not self._reloading:
-                from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
-                initialize_layerwise_reload(self.model)
+                vllm_api.begin_layerwise_reload(self.model)
                 self._reloading = True
                 t1 = time.perf_counter()
                 self._times["reload_init_s"] += t1 - t0
@@ -252,19 +251,11 @@ class DisaggWeightTransferEngine(WeightTransferEngine[DisaggInitInfo, DisaggUpda
                                wire_start_unix_s=stats.header_unix_s, **self._times)
 
     def finish_weight_update(self) -> None:
-        from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
         if not self._reloading:
             return
         t0 = time.perf_counter()
-        finalize_layerwise_reload(self.model, self.model_config)
+        vllm_api.end_layerwise_reload(self.model, self.model_config)
         self._reloading = False
-        # A tied lm_head keeps the dummy weights' packed copy unless its quant
-        # method re-processes the reloaded embedding (REFERENCE.md, CPU pitfalls).
-        for module in self.model.modules():
-            if isinstance(module, VocabParallelEmbedding):
-                module.quant_method.process_weights_after_loading(module)
         self._times["finalize_s"] = time.perf_counter() - t0
         self.last_stats["finalize_s"] = self._times["finalize_s"]
 
@@ -334,7 +325,7 @@ class DisaggWorkerExtension:
         per bucket (into the live parameters), then ``process_weights_after_loading``. Its seconds."""
         from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
-        from disagg.bench.ckpt_engine_peer import worker_receive
+        from disagg.peers.ckpt_engine import worker_receive
 
         model = self.model_runner.model
         return worker_receive(zmq_handles, self.device.index, model.load_weights,

@@ -26,6 +26,11 @@ log = logging.getLogger("disagg.scoring")  # where reward failures have always b
 _REWARDS: dict[str, RewardFn] = {}
 
 
+def registered_rewards() -> dict[str, RewardFn]:
+    """The rewards registered so far by name (``disagg.tasks.get_reward`` imports the built-in ones)."""
+    return dict(_REWARDS)
+
+
 def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
     def deco(fn: RewardFn) -> RewardFn:
         _REWARDS[name] = fn
@@ -50,18 +55,6 @@ def import_callable(ref: str, key: str) -> Callable:
         raise ConfigError(f"{key}={ref!r}: {mod_name!r} has no callable {fn_name!r}")
     return fn
 
-
-def get_reward(name: str | None, path: str | None) -> RewardFn:
-    """Resolve ``reward.name`` (registered) or ``reward.path`` (``module:function``)."""
-    if path:
-        return import_callable(path, "reward.path")
-    import disagg.tasks.reverse  # noqa: F401  (registers the built-in rewards)
-    import disagg.tasks.code  # noqa: F401
-    import disagg.tasks.calculator  # noqa: F401
-
-    if name not in _REWARDS:
-        raise ConfigError(f"reward.name={name!r} is not registered; known: {sorted(_REWARDS)}")
-    return _REWARDS[name]
 
 
 @dataclass

@@ -431,8 +431,8 @@ class TrainerWorker:
 
     def ckpt_init(self, host: str, port: int, world_size: int) -> None:
         """``disagg bench vllm-sync --peer checkpoint-engine``: its ParameterServer's rank 0 in this process,
-        the owner of the weights (``disagg.bench.ckpt_engine_peer``)."""
-        from disagg.bench.ckpt_engine_peer import ParameterServerRank
+        the owner of the weights (``disagg.peers.ckpt_engine``)."""
+        from disagg.peers.ckpt_engine import ParameterServerRank
 
         self._ckpt = ParameterServerRank(host, port, 0, world_size, self.transport_cfg.timeout_s)
 

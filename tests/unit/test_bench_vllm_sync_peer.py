@@ -11,7 +11,7 @@ import uuid
 
 import pytest
 
-from disagg.bench import ckpt_engine_peer
+from disagg.peers import ckpt_engine as ckpt_engine_peer
 from disagg.bench.vllm_sync import render, resolve_options, summarise
 from disagg.errors import TransportError
 

@@ -20,7 +20,7 @@ import pytest
 
 from disagg.errors import SandboxError
 from disagg.tasks import sandbox, sandbox_fs
-from disagg.tasks.base import get_reward
+from disagg.tasks import get_reward
 from disagg.tasks.code import code_tests_reward, extract_code, make_code_rows, reason_counts
 from disagg.tasks.sandbox import run_python
 

@@ -11,7 +11,7 @@ from disagg.config import AlgorithmConfig
 from disagg.errors import ConfigError
 from disagg.rollout.types import Completion, GenResult
 from disagg.scoring import Scorer
-from disagg.tasks.base import get_reward
+from disagg.tasks import get_reward
 from disagg.tasks.files import FilePromptSource
 from disagg.tasks.reverse import ReverseDigitsSource, reverse_digits_reward
 

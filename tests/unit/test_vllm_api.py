@@ -42,3 +42,14 @@ def test_keep_on_a_vllm_without_labels_is_a_config_error(monkeypatch):
     monkeypatch.setattr(api, "vllm_version", lambda: "0.26.0")
     with pytest.raises(ConfigError, match=r"rollout.in_flight_at_sync='keep'.*vLLM 0.26.0.*'resubmit'"):
         resolve_in_flight_mode("keep", False)
+
+
+def test_a_tool_parser_vllm_does_not_have_is_a_config_error_naming_the_key_and_the_known_ones():
+    pytest.importorskip("vllm")
+    from disagg.rollout.vllm_api import tool_parser
+
+    cls, request = tool_parser("hermes", [{"type": "function", "function": {"name": "calc", "parameters": {}}}])
+    assert hasattr(cls, "extract_tool_calls") and request.tools[0].function.name == "calc"
+    with pytest.raises(ConfigError, match=r"rollout.tool_call_parser='nonsense': vLLM has no such tool parser; "
+                                          r"known: \[.*'hermes'"):
+        tool_parser("nonsense", None)
