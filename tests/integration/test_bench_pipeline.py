@@ -47,7 +47,9 @@ def test_bench_pipeline_reports_measured_ratios(tmp_path):
         steps = tail[mode]["steps"]
         assert len(steps) == 3
         assert tail[mode]["train_s_median"] == pytest.approx(sorted(s["timing/train_s"] for s in steps)[1])
-        assert all(0 < s["timing/train_s"] <= s["timing/step_s"] for s in steps)
+        assert all(s["timing/train_s"] > 0 for s in steps)
+        if mode == "batch":  # the synchronous pattern: a step is its wait for a batch, then its training
+            assert all(s["timing/train_s"] <= s["timing/step_s"] for s in steps)
     # the batch run is the synchronous pattern; batch_async shares the stream run's staleness
     assert tail["batch"]["staleness_max"] == 0
     assert report["stream_vs_batch"] == pytest.approx(

@@ -73,7 +73,8 @@ def test_bench_vllm_sync_times_a_raw_broadcast_and_each_syncs_phases(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(out.read_text())
     assert r["backend"] == "gloo" and r["engine_workers"] == 1 and r["bytes"] > 0
-    assert len(r["raw_all_s"]) == 4 and all(s > 0 for s in r["raw_all_s"])  # beside each timed sync of 2 blocks
+    # beside each timed sync of 3 blocks: layerwise, armed, from a snapshot
+    assert len(r["raw_all_s"]) == 6 and all(s > 0 for s in r["raw_all_s"])
     runs = r["syncs"]["layerwise"]
     assert len(runs) == 2 and r["resolved_loads"] == {"layerwise": "layerwise"}
     for run in runs:
@@ -102,3 +103,9 @@ def test_bench_vllm_sync_times_a_raw_broadcast_and_each_syncs_phases(tmp_path):
     armed = r["modes"]["layerwise, armed"]
     assert 0 < armed["push_to_serving_s"] < armed["seconds"]
     assert "load=layerwise, armed" in proc.stdout
+    # pushed from a snapshot the trainer took before (not in the sync): the wire's bytes, laid out as its buckets
+    assert len(r["syncs"]["layerwise, from a snapshot"]) == 2
+    assert r["snapshot"]["bytes"] == r["bytes"] and r["snapshot"]["seconds"] > 0
+    snap = r["modes"]["layerwise, from a snapshot"]
+    assert snap["raw_vs_sync"] == pytest.approx(r["raw_s"] / snap["seconds"])
+    assert "load=layerwise, from a snapshot" in proc.stdout and "copy + cast" in proc.stdout
