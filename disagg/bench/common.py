@@ -1,12 +1,10 @@
-"""What the benchmarks share: the device a run asks for, the GPU presets, the composed config, the
-machine's name. Pure or nearly (``machine`` and ``visible_gpus`` ask torch)."""
+"""What the benchmarks share: the device a run asks for, the GPU presets, the machine's name (the
+composed config is ``disagg.config.files.compose_train``). Pure or nearly (``machine`` and
+``visible_gpus`` ask torch)."""
 
 from __future__ import annotations
 
 import os
-from typing import Any
-
-from disagg.config.files import compose_train
 
 
 def bench_device(requested: str, gpus: int) -> str:
@@ -31,11 +29,6 @@ def gpu_overrides(overrides: tuple[str, ...] | list[str], gpus: int) -> tuple[st
     if "cluster" not in keys:
         out.insert(0, "cluster=gpu" if gpus >= 2 else "cluster=one_gpu")
     return tuple(out)
-
-
-def composed(overrides: tuple[str, ...]) -> dict[str, Any]:
-    """``configs/train.yaml`` composed with ``overrides``, as ``disagg train`` composes it."""
-    return compose_train(overrides)
 
 
 def machine(device: str) -> str:

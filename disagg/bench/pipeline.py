@@ -52,7 +52,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from disagg.bench.common import bench_device, composed, gpu_overrides, machine, visible_gpus
+from disagg.bench.common import bench_device, gpu_overrides, machine, visible_gpus
+from disagg.config.files import compose_train
 from disagg.logs import setup_logging
 
 log = logging.getLogger("disagg.bench")
@@ -114,7 +115,7 @@ def resolve_options(given: dict[str, Any], gpus: int) -> PipelineBenchOptions:
 def _base_config(o: PipelineBenchOptions, **overrides: dict):
     from disagg.config import load_config
 
-    data: dict[str, Any] = composed(o.overrides) if o.overrides else {}
+    data: dict[str, Any] = compose_train(o.overrides) if o.overrides else {}
     settings: dict[str, dict] = {"logging": {"progress": False, "backends": ["jsonl"], "plot": False},
                                  "cluster": {"num_cpus": o.cpus, "device": o.device}}
     rollout_cores, trainer_cores = pool_cores(o.pin_pools)

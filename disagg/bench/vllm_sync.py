@@ -47,7 +47,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from disagg.bench.common import bench_device, composed, gpu_overrides, machine, visible_gpus
+from disagg.bench.common import bench_device, gpu_overrides, machine, visible_gpus
+from disagg.config.files import compose_train
 from disagg.rollout.types import TIMELINE
 from disagg.logs import setup_logging
 
@@ -149,7 +150,7 @@ def summarise(raw_s: list[float], syncs: dict[str, list[dict[str, Any]]],
 def _config(o: VllmSyncOptions):
     from disagg.config import load_config
 
-    data = composed(o.overrides)
+    data = compose_train(o.overrides)
     data.setdefault("cluster", {})["device"] = o.device
     data.setdefault("logging", {}).update(progress=False, backends=["jsonl"], plot=False)
     data.setdefault("model", {}).setdefault("warmstart", {})["steps"] = 0  # the weights' values do not matter

@@ -232,13 +232,6 @@ def _check_trackers(cfg: Config, mode: str) -> None:
     check_backends(cfg.logging.backends, need_packages=mode == "train")
 
 
-def _check_strings_of(cfg: Config, mode: str) -> None:
-    _check_strings(cfg)
-
-
-CHECKS = (_check_sampling, _check_devices, _check_strings_of, _check_storage, _check_control, _check_model,
-          _check_task, _check_batches, _check_trackers)
-"""One check per concern, in this order, after RANGES."""
 
 
 # Resources a bundle gets from other keys (trainer.cpus_per_worker, cluster.device, cluster.*_nodes).
@@ -268,7 +261,7 @@ _ENGINE_DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float")  # 
 _HOSTNAME = re.compile(r"(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*")
 
 
-def _check_strings(cfg: Config) -> None:
+def _check_strings(cfg: Config, mode: str) -> None:
     """Keys whose type is a string but whose values are few or shaped: one row each."""
     r, c, lg = cfg.rollout, cfg.control, cfg.logging
     rows = [
@@ -305,3 +298,8 @@ def _is_ip(text: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+CHECKS = (_check_sampling, _check_devices, _check_strings, _check_storage, _check_control, _check_model,
+          _check_task, _check_batches, _check_trackers)
+"""One check per concern, in this order, after RANGES."""

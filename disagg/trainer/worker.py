@@ -183,7 +183,7 @@ class TrainerWorker:
         snapshot_s = 0.0
         if snapshot_version is not None:
             t1 = time.perf_counter()
-            self._snapshots.take(snapshot_version, self._local_params(), self._flats, self._push_layout().buckets)
+            self._take_snapshot(snapshot_version)
             snapshot_s = time.perf_counter() - t1
         self._timeline.append(("train", snapshot_version, wall0, time.time()))
         tok = max(totals["tokens"], 1.0)
@@ -457,6 +457,10 @@ class TrainerWorker:
             self._manifest = model_manifest(self.model, self.transport_cfg.bucket_bytes, 0, self.transport_cfg.dtype)
         return self._manifest
 
+    def _take_snapshot(self, policy_version: int):
+        """The parameters copied as ``policy_version``, laid out as this rank's push sends them."""
+        return self._snapshots.take(policy_version, self._local_params(), self._flats, self._push_layout().buckets)
+
     def _push_layout(self):
         """The manifest this rank's pushes send (its shards' under source=shards): a snapshot is laid
         out as its buckets, so that the push sends views of it."""
@@ -530,7 +534,7 @@ class TrainerWorker:
         """Copy the parameters as ``policy_version`` for a push from the snapshot, as a train step with
         ``snapshot_version`` ends (benchmarks: a push of staleness >= 1 without the step)."""
         t0 = time.perf_counter()
-        snap = self._snapshots.take(policy_version, self._local_params(), self._flats, self._push_layout().buckets)
+        snap = self._take_snapshot(policy_version)
         if snap.event is not None:
             snap.event.synchronize()
         return {"seconds": time.perf_counter() - t0, "bytes": snap.nbytes}
