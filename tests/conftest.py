@@ -157,14 +157,17 @@ def next_step_held_until(job, condition, timeout_s: float = 300.0):
 
 
 def replay_logprobs(model_path, states: dict[int, dict], prompt: list[int], response: list[int],
-                    versions: list[int], *, recompute: bool = False, device: str = "cpu",
+                    versions: list[int], *, recompute: bool = False, pieces=None, device: str = "cpu",
                     engine_dtype=None, rounding: bool = False):
     """Each response token's log-prob under the float32 weights of the version it is tagged with.
 
     ``recompute=False`` (keep mode, vLLM's pause): decode step by step, the KV of earlier tokens
     kept as the weights of their own steps computed it; token t comes out of the step that feeds
     token t-1 (the prompt for t = 0). ``recompute=True`` (resubmit mode): everything before a token
-    computed again by that token's weights, one pass per run of a version.
+    computed again by that token's weights, one pass per run of a version. ``pieces`` (resubmit
+    mode, ``Completion.pieces``): as vLLM ran it, each continuation ``(k, kept)`` keeping the KV of
+    the first ``kept`` positions as the earlier pieces computed it and prefilling the rest of the
+    prompt and ``response[:k]`` with token k's weights, then decoding step by step.
 
     ``engine_dtype`` (e.g. ``torch.bfloat16``): the weights are first rounded to it, as the engine
     holds them; the arithmetic stays float32. ``rounding=True`` returns ``(log-probs, bound)``, where
@@ -205,6 +208,24 @@ def replay_logprobs(model_path, states: dict[int, dict], prompt: list[int], resp
                 for t in range(start, end):  # token t is predicted at position len(prompt) + t - 1
                     take(t, logits[len(prompt) + t - 1])
                 start = end
+        elif pieces is not None:
+            starts = {k: kept for k, kept in pieces}  # a piece that made no token is followed by a fresh one
+            cache = DynamicCache()
+            for t in range(len(response)):
+                if t == 0 or t in starts:
+                    load(versions[t])
+                    kept = starts.get(t, 0)
+                    if not kept:
+                        cache = DynamicCache()
+                    elif cache.get_seq_length() > kept:  # negative: tokens to drop (every transformers release)
+                        cache.crop(kept - cache.get_seq_length())
+                    feed = (prompt + response[:t])[kept:]
+                else:
+                    assert versions[t] == versions[t - 1], f"token {t}: a change of version inside a piece"
+                    feed = [response[t - 1]]
+                logits = model(input_ids=torch.tensor([feed], device=device), past_key_values=cache,
+                               use_cache=True).logits[0, -1]
+                take(t, logits.float())
         else:
             cache = DynamicCache()
             for t, token in enumerate(response):

@@ -196,7 +196,9 @@ def long_tail(o: PipelineBenchOptions, run_dir: Path) -> dict[str, Any]:
             mcfg = _replace(_replace(cfg, "rollout", scheduler=scheduler), "algorithm",
                             max_staleness=o.tail_staleness if staleness is None else staleness)
             job.coordinator.state.set_max_staleness(mcfg.algorithm.max_staleness)
+            before = _engine_counts(job)
             p, wall = _run(mcfg, job, tok, o.tail_steps, version, sampling_for=lengths)
+            engines = {k: v - before[k] for k, v in _engine_counts(job).items()}
             version += o.tail_steps
             out[mode] = {"trained_tokens": p.trained_tokens, "seconds": wall,
                          "trained_tokens_per_s": p.trained_tokens / wall,
@@ -205,8 +207,9 @@ def long_tail(o: PipelineBenchOptions, run_dir: Path) -> dict[str, Any]:
                          "step_s_median": statistics.median(r["timing/step_s"] for r in p.records),
                          "group_seconds_max": max(r["rollout/group_seconds_max"] for r in p.records),
                          "group_seconds_mean": statistics.mean(r["rollout/group_seconds_mean"] for r in p.records),
-                         # the profile a missed goal asks for: where a step's time goes, per step
-                         **_profile(p.records)}
+                         # the profile a missed goal asks for: where a step's time goes, per step,
+                         # and what syncs cost the engines (resubmit mode: tokens prefilled again)
+                         "engines": engines, **_profile(p.records)}
             log.warning("long tail, %s: %.0f trained tokens/s", mode, out[mode]["trained_tokens_per_s"])
     finally:
         job.shutdown()
@@ -214,6 +217,17 @@ def long_tail(o: PipelineBenchOptions, run_dir: Path) -> dict[str, Any]:
     out["stream_vs_batch"] = rate["stream"] / rate["batch_async"]  # one staleness: the scheduler's gain
     out["async_stream_vs_sync_batch"] = rate["stream"] / rate["batch"]
     return out
+
+
+ENGINE_COUNTS = ("tokens_generated", "pauses", "resubmits", "resubmit_kv_kept_tokens", "resubmit_prefill_tokens")
+
+
+def _engine_counts(job) -> dict[str, int]:
+    """The engines' counters of ENGINE_COUNTS, summed over the engines."""
+    import ray
+
+    stats = ray.get([e.get_stats.remote() for e in job.rollout.engines], timeout=120)
+    return {k: sum(int(s.get(k, 0)) for s in stats) for k in ENGINE_COUNTS}
 
 
 TAIL_RUNS = (("batch", "batch", 0), ("batch_async", "batch", None), ("stream", "stream", None))
@@ -415,6 +429,11 @@ def render(report: dict[str, Any]) -> None:
                 table.add_row(f"  {mode} step median (train / waiting for a batch / engines' tokens/s)",
                               f"{m['step_s_median']:.2f} s ({m['train_s_median']:.2f} / "
                               f"{m.get('rollout_s_median', 0.0):.2f} / {m.get('tokens_per_s_median', 0.0):.0f})", "", "")
+            e = m.get("engines") or {}
+            if e.get("resubmits"):
+                table.add_row(f"  {mode} resubmits at syncs (KV kept / prefilled again, tokens)",
+                              f"{e['resubmits']} ({e['resubmit_kv_kept_tokens']} / {e['resubmit_prefill_tokens']})",
+                              "", "")
     if "reward_overlap" in report:
         r = report["reward_overlap"]
         stages = (f"rollout {r['rollout_stage_s']:.2f} s, reward {r['reward_stage_s']:.2f} s in total, "

@@ -13,7 +13,10 @@ weights, vLLM labelling each token with the version that sampled it; 'resubmit'
 aborts this actor's requests and continues each on the new weights from the
 tokens it had, so that each piece of a response comes from one version the actor
 knows. 'auto' keeps where vLLM labels tokens (``vllm_api``) and resubmits where it
-does not.
+does not. A resubmitted piece carries its request's cache salt, so vLLM's prefix cache
+gives back the KV its earlier pieces computed (each token's KV from the weights that
+fed it, as in keep mode) and the new weights prefill only the last, partial block;
+each ``Completion.pieces`` says how much KV a piece took over.
 
 vLLM is reached through this module, ``vllm_transfer``, ``openai_server`` and
 ``tool_parsing``; every difference between vLLM releases lives in ``vllm_api``.
@@ -107,7 +110,8 @@ class EngineActor:
             self._coord = (coordinator if isinstance(coordinator, CoordinatorClient)
                            else CoordinatorClient(coordinator, timeout_s=rpc_timeout_s))
         self.stats = {"requests": 0, "dropped_prompt_too_long": 0, "tokens_generated": 0, "pauses": 0, "streams": 0,
-                      "resubmits": 0, "http_requests": 0, "http_inflight": 0, "http_waiting": 0}
+                      "resubmits": 0, "resubmit_kv_kept_tokens": 0, "resubmit_prefill_tokens": 0,
+                      "http_requests": 0, "http_inflight": 0, "http_waiting": 0}
         self.address = ""  # the OpenAI API's base address (http://host:port), once serving
         self._http = None  # (uvicorn server, its task, its WeightsGate)
 
@@ -163,7 +167,8 @@ class EngineActor:
                  vllm_api.vllm_version(), self.cfg.load_format, self._mode)
         return {"engine_id": self.engine_id, "start_s": start_s, "node_ip": node, "pid": os.getpid(),
                 "address": self.address, "node_id": ray.get_runtime_context().get_node_id(),
-                "vllm_version": vllm_api.vllm_version(), "in_flight_at_sync": self._mode}
+                "vllm_version": vllm_api.vllm_version(), "in_flight_at_sync": self._mode,
+                "kv_block_size": vllm_api.kv_block_size(self._engine)}
 
     async def _start_http(self, node_ip: str) -> None:
         """Serve vLLM's OpenAI API from this actor, behind the weights-loaded gate."""
@@ -494,10 +499,11 @@ class EngineActor:
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
 
-    async def _run(self, request_id: str, prompt_ids: list[int], params, what: str):
+    async def _run(self, request_id: str, prompt_ids: list[int], params, what: str, salt: int | None = None):
         """Wait for servable weights, submit, and return vLLM's final output. Returns with
         ``self.version`` as it was when the request passed the gate (a version its tokens keep
-        in resubmit mode, where a sync aborts the request before loading another)."""
+        in resubmit mode, where a sync aborts the request before loading another). ``salt``: the
+        version whose prefix-cache chain the request continues (default: the one it passes with)."""
         # Guard against dummy weights: nothing is submitted to vLLM before a sync lands.
         await self._wait_weights(what)
         version = self.version
@@ -508,9 +514,10 @@ class EngineActor:
         self._submitted.clear()
         try:
             try:
-                # Salted by version: a request never reuses KV that other weights computed, even
+                # Salted by version: a new request never reuses KV that other weights computed, even
                 # where vLLM could not empty its prefix cache at the sync.
-                handle = await vllm_api.submit(self._engine, request_id, prompt_ids, params, f"v{version}")
+                handle = await vllm_api.submit(self._engine, request_id, prompt_ids, params,
+                                               f"v{version if salt is None else salt}")
             finally:
                 self._submitting -= 1
                 if not self._submitting:
@@ -547,26 +554,43 @@ class EngineActor:
 
     async def _run_sample(self, req: GenRequest, index: int) -> Completion:
         """Sample ``index`` of ``req`` in resubmit mode: a sync aborts it and it continues on the new
-        weights from its tokens so far (the prompt and those tokens are prefilled again, by the new
-        version). Every piece's tokens carry the version that served the piece."""
+        weights from its tokens so far. Every piece's tokens carry the version that served the piece.
+
+        A continuation keeps its request's cache salt (the version its KV chain started with): vLLM's
+        prefix cache then holds the full blocks of the prompt and tokens so far as the weights that
+        fed them computed them, and the new weights prefill only the rest (vLLM recomputes at least
+        the last token). That is keep mode's rule for each token's KV, at the cost of a partial block
+        per sync instead of the whole context. A piece that made no token starts a fresh chain on the
+        new weights (its own prefill may have stopped half way). ``Completion.pieces``: for each
+        continuation, (the response tokens it started from, the prompt + response positions whose KV
+        it took over; 0 for a fresh chain)."""
         s = req.sampling
         ids: list[int] = []
         logprobs: list[float] = []
         versions: list[int] = []
+        pieces: list[tuple[int, int]] = []
         piece = 0
+        chain: int | None = None  # the salt (a version) of the KV chain this sample continues
         while True:
             budget = s.max_tokens - len(ids)
             if piece and (budget <= 0 or len(req.prompt_ids) + len(ids) >= self.cfg.max_model_len):
-                return Completion(ids, logprobs, "length", versions)  # it was full when the sync stopped it
+                return Completion(ids, logprobs, "length", versions, pieces=pieces)  # full when the sync stopped it
             rid = f"{req.request_id}/{index}" + (f".{piece}" if piece else "")
             seed = None if s.seed is None else s.seed + 7919 * index + piece
             out, version = await self._run(rid, list(req.prompt_ids) + ids, self._params(s, 1, budget, seed),
-                                           f"weights (request {rid})")
+                                           f"weights (request {rid})", salt=chain)
+            if piece:
+                kept = vllm_api.cached_tokens(out) if chain is not None else 0
+                pieces.append((len(ids), kept))
+                self.stats["resubmit_kv_kept_tokens"] += kept
+                self.stats["resubmit_prefill_tokens"] += len(req.prompt_ids) + len(ids) - kept
             (o,) = out.outputs
             new = list(o.token_ids)
             labels = vllm_api.token_versions(rid, o, len(new))
             if labels is not None and any(v != version for v in labels):  # vLLM's own labels, where it has them
                 raise RolloutError(f"request {rid}: served as version {version} but vLLM labels its tokens {labels}")
+            # A piece that made tokens completed its prefill: its chain holds every block before them.
+            chain = (version if chain is None else chain) if new else None
             ids += new
             logprobs += vllm_api.sampled_logprobs(o.logprobs, new)
             versions += [version] * len(new)
@@ -576,7 +600,7 @@ class EngineActor:
                 piece += 1
                 continue
             self._aborted_by_sync.discard(rid)
-            return Completion(ids, logprobs, str(o.finish_reason) if o.finish_reason else "", versions)
+            return Completion(ids, logprobs, str(o.finish_reason) if o.finish_reason else "", versions, pieces=pieces)
 
     async def set_load_mode(self, mode: str) -> str:
         """``disagg bench vllm-sync``: load the next versions with ``mode`` (``transport.load``)."""

@@ -52,6 +52,9 @@ class Completion:
     loss_mask: list[int] | None = None
     final_text: str | None = None  # the text the reward reads (None: decode response_ids)
     info: dict = field(default_factory=dict)  # per-trajectory counts (turns, tool_calls, finish_*)
+    # Resubmit mode: for each continuation after a sync, (response tokens it started from, prompt +
+    # response positions whose KV vLLM's prefix cache gave back, computed by the earlier pieces).
+    pieces: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def min_version(self) -> int:

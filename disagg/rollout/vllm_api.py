@@ -137,6 +137,17 @@ def token_versions(request_id: str, completion, num_tokens: int) -> list[int] | 
     return versions
 
 
+def kv_block_size(engine) -> int:
+    """Tokens per KV block of the engine's cache (the prefix cache reuses whole blocks)."""
+    return int(engine.vllm_config.cache_config.block_size)
+
+
+def cached_tokens(output) -> int:
+    """Prompt tokens of a finished ``RequestOutput`` whose KV came from vLLM's prefix cache
+    (``num_cached_tokens``: vLLM 0.26 and 0.32)."""
+    return int(getattr(output, "num_cached_tokens", None) or 0)
+
+
 async def submit(engine, request_id: str, prompt_ids: list[int], params, cache_salt: str) -> Any:
     """Add a request; returns once vLLM's front end holds it (``abort`` then reaches it). Its
     prefix-cache blocks are shared only with requests of the same ``cache_salt``. The handle

@@ -145,32 +145,40 @@ def test_after_a_sync_the_openai_endpoint_serves_the_trainer_weights(job, tok):
 
 def test_requests_in_flight_continue_across_syncs_with_exact_token_versions(job, tok):
     """vLLM 0.26 labels no token with its weight version: the engine resubmits at each sync and
-    tags every token itself. Each token's behaviour log-prob must be that of the version it is
-    tagged with, to bf16 precision.
+    tags every token itself; each continuation takes over the KV its earlier pieces computed from
+    vLLM's prefix cache (``Completion.pieces``). Each token's behaviour log-prob must be that of the
+    version it is tagged with, over that KV, to bf16 precision.
 
     bf16 numerics and a real error look alike on one token, so each token over the tolerance is put
     to the alternatives a real error would match: the version before or after its tag (a tag off at
-    a resubmit boundary), and its version with the other KV rule (KV that earlier weights computed).
-    None may explain a token better than its tag. The replays hold the engine's bf16 weights and
-    compute in float32; vLLM rounds the logits to bf16 as well, so a token's tolerance grows by what
-    that rounding alone can move its log-prob (half an ulp of its logit and of the row's largest)."""
+    a resubmit boundary), and its version with the other KV rule (all of it computed again at each
+    continuation; in keep mode, the KV that earlier weights computed). None may explain a token
+    better than its tag. The replays hold the engine's bf16 weights and compute in float32; vLLM
+    rounds the logits to bf16 as well, so a token's tolerance grows by what that rounding alone can
+    move its log-prob (half an ulp of its logit and of the row's largest)."""
     mode = job.rollout.start_info[0]["in_flight_at_sync"]
-    recompute = mode == "resubmit"
     prompt = _ids(tok, "4321=")
     # A handful of syncs in the middle of the generation (a GPU decodes it in seconds).
     result, states = long_request_across_syncs(job, prompt, LONG_TOKENS, max_versions=7, poll_s=0.3)
     assert result.prompt_ids == prompt
 
-    def replay(c, versions, keep_kv=not recompute):
-        return replay_logprobs(job.model_path, states, prompt, c.response_ids, versions, recompute=not keep_kv,
+    def replay(c, versions, other_rule=False):
+        if mode == "resubmit":
+            kv = [(k, 0) for k, _ in c.pieces] if other_rule else c.pieces
+            return replay_logprobs(job.model_path, states, prompt, c.response_ids, versions, pieces=kv,
+                                   device="cuda", engine_dtype=torch.bfloat16, rounding=True)
+        return replay_logprobs(job.model_path, states, prompt, c.response_ids, versions, recompute=other_rule,
                                device="cuda", engine_dtype=torch.bfloat16, rounding=True)
 
     versions_seen = set()
+    kept = 0
     for c in result.completions:
         assert len(c.response_ids) == LONG_TOKENS == len(c.logprobs) == len(c.token_versions)
         assert c.token_versions == sorted(c.token_versions)
         served = sorted(set(c.token_versions))
         versions_seen |= set(served)
+        kept += sum(k for _, k in c.pieces)
+        print(f"{mode}: pieces (response tokens, KV positions taken over): {c.pieces}")
         engine = torch.tensor(c.logprobs)
         expected, rounding = replay(c, c.token_versions)
         err = (expected - engine).abs()
@@ -178,7 +186,7 @@ def test_requests_in_flight_continue_across_syncs_with_exact_token_versions(job,
         after = [served[min(served.index(x) + 1, len(served) - 1)] for x in c.token_versions]
         alternatives = {"version before": (replay(c, before)[0] - engine).abs(),
                         "version after": (replay(c, after)[0] - engine).abs(),
-                        "other KV rule": (replay(c, c.token_versions, keep_kv=recompute)[0] - engine).abs()}
+                        "other KV rule": (replay(c, c.token_versions, other_rule=True)[0] - engine).abs()}
         over = [t for t in range(len(err)) if err[t] >= BF16_LOGPROB_TOL]
         table = [(t, c.token_versions[t], round(float(err[t]), 3), round(c.logprobs[t], 3),
                   round(float(rounding[t]), 3), {k: round(float(a[t]), 3) for k, a in alternatives.items()})
@@ -195,6 +203,7 @@ def test_requests_in_flight_continue_across_syncs_with_exact_token_versions(job,
             print(f"tagged with the version before: max error {wrong.max().item():.3f}")
             assert wrong.max().item() > 2 * LONG_LOGPROB_TOL
     assert len(versions_seen) >= 3, f"the request saw only versions {sorted(versions_seen)}"
+    assert mode == "keep" or kept > 0, "no continuation took over KV from vLLM's prefix cache"
     assert result.min_version == min(versions_seen) and result.max_version == max(versions_seen)
 
 

