@@ -11,7 +11,7 @@ ARGS   ?=
 
 venv: sandbox-tools $(STAMP)
 
-# The code sandbox isolates model code's filesystem with bubblewrap (disagg/tasks/sandbox_fs.py).
+# The code sandbox isolates model code's filesystem with bubblewrap (disagg/sandbox/fs.py).
 # Installed here where we are root and apt-get is there; elsewhere this only says so, and the
 # sandbox falls back to its own mount namespaces, or runs without and logs it.
 sandbox-tools:

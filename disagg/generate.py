@@ -22,7 +22,7 @@ from disagg.rollout.pool import RolloutPool
 from disagg.rollout.types import GenRequest, SamplingSpec
 from disagg.scoring import Scorer
 from disagg.tasks import get_reward
-from disagg.tasks.sandbox import require_filesystem_isolation
+from disagg.sandbox import require_filesystem_isolation
 from disagg.train import encode_prompt, make_source
 
 log = logging.getLogger("disagg.generate")

@@ -31,7 +31,7 @@ from disagg.resume import (ResumableSource, ResumePoint, config_changes, default
 from disagg.scoring import Scorer
 from disagg.tasks import get_reward
 from disagg.tasks.base import PromptSource
-from disagg.tasks.sandbox import require_filesystem_isolation
+from disagg.sandbox import require_filesystem_isolation
 from disagg.trackers import open_trackers
 
 log = logging.getLogger("disagg.train")
@@ -127,7 +127,7 @@ def run(cfg: Config, run_dir: Path) -> Path:
             untrained = [*pipeline.sched.inflight, *(g.gid for g in pipeline.sched.ready)]
             path = job.save_checkpoint(step, version, {
                 "data_cursor": source.cursor, "data_pending": source.pending(untrained),
-                "counts": dict(pipeline.counts), "scheduler_counts": dict(pipeline.sched.counts),
+                "counts": dict(pipeline.scored), "scheduler_counts": dict(pipeline.sched.counts),
                 "base_model_path": base_model, "num_trainer_workers": cfg.trainer.num_workers,
                 "run_dir": str(run_dir)})
             written[step] = path
@@ -144,7 +144,7 @@ def run(cfg: Config, run_dir: Path) -> Path:
             pipeline = make_pipeline(cfg, job, tokenizer, source=source, metrics=metrics, progress=bar,
                                      checkpoint=checkpoint, on_step=on_step)
             if resume is not None:
-                pipeline.counts.update(resume.counts)
+                pipeline.scored.update(resume.counts)
                 pipeline.sched.counts.update(resume.scheduler_counts)
             try:
                 pipeline.run(cfg.trainer.total_steps - (first_step - 1), first_step=first_step)

@@ -42,7 +42,7 @@ class AgentRunner:
 
         setup_logging("agent", log_level)
         if require_sandbox_isolation and "python" in cfg.tools:
-            from disagg.tasks.sandbox import require_filesystem_isolation
+            from disagg.sandbox import require_filesystem_isolation
 
             require_filesystem_isolation()
         tok = AutoTokenizer.from_pretrained(local_copy(model_path, cache_dir))  # a checkpoint at a URL: copied here

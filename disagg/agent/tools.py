@@ -8,7 +8,7 @@ raises all come back as a ``ToolResult`` with ``ok=False``, a message the model 
 read and act on, and an ``error_kind`` counted in ``ToolRegistry.counts``.
 
 Built-ins: ``calculator`` (arithmetic parsed with ``ast``, never ``eval``) and
-``python`` (a snippet run in ``disagg.tasks.sandbox``, never in this process).
+``python`` (a snippet run in ``disagg.sandbox``, never in this process).
 User tools are ``module:function`` names whose JSON schema comes from the signature.
 This module must not import torch, vLLM or Ray: it runs inside rollout workers.
 """
@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterable
 
 from disagg.errors import ConfigError
 from disagg.tasks.base import import_callable
-from disagg.tasks.sandbox import run_snippet
+from disagg.sandbox import run_snippet
 
 log = logging.getLogger("disagg.agent")
 

@@ -18,8 +18,10 @@ Where things are (docs/design.md, "The loop", has the picture):
 - ``generation.Generation``: the calls in flight to the engines, requeued groups;
 - ``fleet.EngineFleet``: engine membership, load, health, deaths, scaling;
 - ``rewards.RewardDispatch``: the reward workers and the groups being scored;
+- ``train_step.TrainStep``: the train step in flight and its refs;
 - ``sync.SyncController``: the pending sync, snapshots, retries and rebuilds;
-- ``recorder.StepRecorder``: a step's timings and metrics.
+- ``recorder.StepRecorder``: a step's timings and metrics, and the run's totals made from the
+  counts each owner keeps of its own events.
 """
 
 from disagg.pipeline.generation import _take

@@ -21,6 +21,7 @@ import logging
 import re
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 log = logging.getLogger("disagg.pipeline")
@@ -97,11 +98,14 @@ class EngineFleet:
 
     ``requeue(gids)`` sends a dead engine's groups back for generation; ``streams_of(eid)`` takes
     the calls in flight to engine ``eid`` off the books and returns their gids (both from
-    ``Generation``). ``more_steps`` is set by the loop: no engine is started for a run that ends.
+    ``Generation``, given when the fleet is built: the fleet calls them, never the other way).
+    ``more_steps`` is set by the loop: no engine is started for a run that ends.
     """
 
-    def __init__(self, cfg, job, state, fate: Counter, runners: AgentRunners, agent: bool = False) -> None:
-        self.cfg, self.job, self.pool, self.state, self.fate = cfg, job, job.rollout, state, fate
+    def __init__(self, cfg, job, state, runners: AgentRunners, agent: bool = False, *,
+                 requeue: Callable[[list[int]], None], streams_of: Callable[[int], list[int]]) -> None:
+        self.cfg, self.job, self.pool, self.state = cfg, job, job.rollout, state
+        self.counts: Counter = Counter()  # its own events: engines launched, started, dead, replaced, left, joined
         self.runners, self.agent = runners, agent
         self.serving: list[int] = []
         self.draining: set[int] = set()
@@ -116,8 +120,7 @@ class EngineFleet:
         self._pings: dict[int, tuple[Any, float]] = {}  # engine id -> (health check ref, sent at)
         self._last_ping: dict[int, float] = {}
         self._rr = 0
-        self.requeue = lambda gids: None
-        self.streams_of = lambda eid: []
+        self.requeue, self.streams_of = requeue, streams_of
 
     def start(self) -> None:
         """The run starts: every engine of the pool serves."""
@@ -220,7 +223,7 @@ class EngineFleet:
     def _launch(self) -> int:
         eid, handle, ref = self.pool.launch()
         self.launching[ref] = (eid, handle, time.perf_counter())
-        self.fate["engines_launched"] += 1
+        self.counts["engines_launched"] += 1
         return eid
 
     def _drain(self, eid: int, reason: str) -> None:
@@ -252,7 +255,7 @@ class EngineFleet:
     def _launch_failed(self, eid: int, handle, why: str) -> None:
         log.error("engine %d could not start (%s): the rollout pool stays at %d engines", eid, why, self.active())
         self._drop(eid, handle)
-        self.fate["engine_start_failures"] += 1
+        self.counts["engine_start_failures"] += 1
         self.state.set_scale_target(self.active(), f"engine {eid} failed to start: {why}")
 
     # ---- health and death ----------------------------------------------------------------------
@@ -314,12 +317,12 @@ class EngineFleet:
         self._pings.pop(eid, None)
         if handle is not None:
             self.pool.discard(eid, handle)
-        self.fate["engine_deaths"] += 1
+        self.counts["engine_deaths"] += 1
         self.state.engine_died(eid, f"{why}; {len(again)} prompt group(s) back in the queue")
         self.runners.set_health(eid, "dead")
         if self.cfg.rollout.replace_dead_engines and self.more_steps:
             new = self._launch()
-            self.fate["engines_replaced"] += 1
+            self.counts["engines_replaced"] += 1
             self.state.record_event("engine_replaced", f"engine {new} starts in place of engine {eid}")
         elif self.state.scale_target() is not None:
             self.state.set_scale_target(self.active(), f"engine {eid} died and is not replaced")
@@ -354,13 +357,13 @@ class EngineFleet:
             pool.retire(eid, handle, background=True)
             self.draining.discard(eid)
             self.load.pop(eid, None)
-            self.fate["engines_left"] += 1
+            self.counts["engines_left"] += 1
         for eid in self.joining:
             self.state.record_event("engine_joined", f"engine {eid} joined the transport group "
                                     f"(epoch {self.job.transport_epoch}) with version {version}")
             self.join_version[eid] = version
             self.load[eid] = 0
-            self.fate["engines_joined"] += 1
+            self.counts["engines_joined"] += 1
         self.joined += list(self.joining)
         self.joining = {}
         log.info("rollout pool rebuilt in %.2f s: engines %s (%s joined, %s left, %s dead)", time.perf_counter() - t0,

@@ -22,9 +22,10 @@ class Generation:
     source, and the queue of groups to generate again (their engine died)."""
 
     def __init__(self, job, sched: GroupScheduler, source: Iterator, encode: Callable[[str], tuple[int, ...]],
-                 sampling: SamplingSpec, sampling_for: Callable[[dict], SamplingSpec] | None, fate: Counter,
+                 sampling: SamplingSpec, sampling_for: Callable[[dict], SamplingSpec] | None,
                  runners=None) -> None:
-        self.job, self.sched, self.source, self.encode, self.fate = job, sched, source, encode, fate
+        self.job, self.sched, self.source, self.encode = job, sched, source, encode
+        self.counts: Counter = Counter()  # its own events (groups_requeued)
         self.sampling, self.sampling_for = sampling, sampling_for
         self.runners = runners  # AgentRunners when groups are agent sessions, else None
         self.calls: dict[Any, dict[str, int]] = {}  # engine stream (or runner call) -> request id -> gid, still to come
@@ -78,7 +79,21 @@ class Generation:
     def requeue(self, gids: list[int]) -> None:
         """Groups whose engine died: submitted again (before any new prompt), counted."""
         self.again.extend(gids)
-        self.fate["groups_requeued"] += len(gids)
+        self.counts["groups_requeued"] += len(gids)
+
+    def run_again(self, gid: int, result) -> bool:
+        """An agent group whose session lost its engine (``engine_unreachable``) runs again, at most
+        3 times: True if it was requeued."""
+        if result.dropped != "engine_unreachable" or self.retries[gid] >= 3:
+            return False
+        self.retries[gid] += 1
+        self.requeue([gid])
+        return True
+
+    def served(self, result) -> None:
+        """Count a returned group with a token generated on dummy weights (must never happen)."""
+        if any(v < 1 for c in result.completions for v in c.token_versions):
+            self.dummy_served += 1
 
     def streams_of(self, eid: int) -> list[int]:
         """The calls in flight to engine ``eid``, taken off the books: the gids they still owed."""

@@ -15,15 +15,15 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from typing import Any
 
 from disagg.cluster import freeze_heap
-from disagg.pipeline.fleet import AgentRunners, EngineFleet, brief, is_done
+from disagg.pipeline.fleet import AgentRunners, EngineFleet, brief
 from disagg.pipeline.generation import Generation
 from disagg.pipeline.recorder import StepRecord, StepRecorder
 from disagg.pipeline.rewards import RewardDispatch
 from disagg.pipeline.scheduler import Group, GroupScheduler
 from disagg.pipeline.sync import SyncController
+from disagg.pipeline.train_step import TrainStep
 from disagg.rollout.types import SamplingSpec
 from disagg.samples import TrainSample
 
@@ -54,19 +54,20 @@ class Pipeline:
         self.metrics, self.progress, self.on_step, self.checkpoint = metrics, progress, on_step, checkpoint
         algo, roll = cfg.algorithm, cfg.rollout
         state = job.coordinator.state
-        self.fate: Counter = Counter()  # what became of each prompt group drawn (trained / dropped / ...) and engine
-        self.counts: Counter = Counter()  # the scorer's counts (invalid groups, reward errors, ...)
+        self.groups: Counter = Counter()  # the loop's own events: groups taken, trained, dropped as invalid
+        self.scored: Counter = Counter()  # the scorer's counts (invalid groups, reward errors, ...)
         self.sched = GroupScheduler(algo.prompts_per_step, roll.max_inflight_groups, roll.scheduler)
         self.runners = AgentRunners(cfg)
         sampling = SamplingSpec(max_tokens=roll.max_tokens, temperature=roll.temperature, top_p=roll.top_p,
                                 n=algo.group_size)
-        self.gen = Generation(job, self.sched, iter(source), encode, sampling, sampling_for, self.fate,
+        self.gen = Generation(job, self.sched, iter(source), encode, sampling, sampling_for,
                               self.runners if agent else None)
-        self.fleet = EngineFleet(cfg, job, state, self.fate, self.runners, agent)
-        self.fleet.requeue, self.fleet.streams_of = self.gen.requeue, self.gen.streams_of
-        self.rewards = RewardDispatch(cfg, scorer, self.fate, overlap_rewards)
-        self.sync = SyncController(cfg, job, state, self.fleet, self.fate)
+        self.fleet = EngineFleet(cfg, job, state, self.runners, agent, requeue=self.gen.requeue,
+                                 streams_of=self.gen.streams_of)
+        self.rewards = RewardDispatch(cfg, scorer, overlap_rewards)
+        self.sync = SyncController(cfg, job, state, self.fleet)
         self.recorder = StepRecorder(agent)
+        self.train = TrainStep(job)
         self.last_batch: list[TrainSample] = []  # the samples of the latest train step (inspection)
         self.last_groups: list[Group] = []  # ... and their groups
         self.stopped: str | None = None  # the stop request's reason, when the run ended on one
@@ -75,11 +76,8 @@ class Pipeline:
         self._stale_groups_before = 0
         self._paused_seen = False  # the operator's pause as this loop last acted on it
         # The run's position (set by run): the trainer's version and last step, what every engine
-        # serves, the step to stop after; the train step running and its refs.
+        # serves, the step to stop after.
         self.version = self.engine_version = self.step = self.last_step = 0
-        self.training: StepRecord | None = None
-        self.train_refs: list | None = None
-        self._seen_done: set = set()  # trainer / sync refs already finished (their step or sync not complete yet)
 
     # ---- views for callers and tests --------------------------------------------------------
     records = property(lambda self: self.recorder.records)
@@ -91,6 +89,12 @@ class Pipeline:
     serving = property(lambda self: self.fleet.serving)
     _next_gid = property(lambda self: self.gen.next_gid)
 
+    @property
+    def fate(self) -> Counter:
+        """Every owner's counts in one (a copy, to read): the loop's groups, generation, the fleet,
+        the rewards and the syncs; each owner counts its own events."""
+        return self.groups + self.gen.counts + self.fleet.counts + self.rewards.counts + self.sync.counts
+
     def agent_stats(self) -> list[dict]:
         """Each agent runner's counters (requests per engine, tool errors, ...)."""
         return self.runners.stats()
@@ -99,8 +103,8 @@ class Pipeline:
         """Prompt groups drawn from the data that were neither handed to the trainer, dropped (counted),
         nor are still generating, scoring or waiting in the buffer. Always 0 unless a group went missing."""
         # Stale drops counted by this pipeline (a resumed run starts with the checkpoint's counts).
-        dropped = self.fate["dropped_invalid"] + self.sched.counts["dropped_stale_groups"] - self._stale_groups_before
-        return self.gen.next_gid - self.fate["taken"] - dropped - len(self.sched.inflight) - len(self.sched.ready)
+        dropped = self.groups["dropped_invalid"] + self.sched.counts["dropped_stale_groups"] - self._stale_groups_before
+        return self.gen.next_gid - self.groups["taken"] - dropped - len(self.sched.inflight) - len(self.sched.ready)
 
     def close(self) -> None:
         self.rewards.close()
@@ -112,7 +116,7 @@ class Pipeline:
         state = self.job.coordinator.state
         self._begin(total_steps, first_step)
         try:
-            while self.step < self.last_step or self.training is not None or not self.sync.idle:
+            while self.step < self.last_step or self.train.running or not self.sync.idle:
                 limit = state.max_staleness()
                 paused = self._operator(state)  # stop, scale, health, pause
                 if not paused and self.fleet.serving:
@@ -126,7 +130,7 @@ class Pipeline:
                 for gid, rewards, counts in self.rewards.flush(generating=self.gen.inflight() > 0):
                     self._on_scored(gid, rewards, counts)
                 self._live_stats(state)
-                if self.train_refs is not None and all(r in ready or is_done(r) for r in self.train_refs):
+                if self.train.done(ready):
                     self._on_trained()
                 if self.sync.done(ready):
                     self._on_synced(state)
@@ -157,7 +161,7 @@ class Pipeline:
 
     def _operator(self, state) -> bool:
         """The operator's stop and scale target, the engines' health; whether the rollout is paused."""
-        running = 1 if self.training is not None else 0
+        running = 1 if self.train.running else 0
         if self.stopped is None and (reason := state.stop_requested()) is not None:
             self.stopped = reason
             self.last_step = self.step + running
@@ -175,7 +179,7 @@ class Pipeline:
 
     def _admit(self, limit: int) -> None:
         """Drop what the next step cannot train, then start as many groups as may still be trained."""
-        next_train = self.version + (1 if self.training is not None else 0)
+        next_train = self.version + (1 if self.train.running else 0)
         admitted = self.sched.admit(self.engine_version, next_train, limit)
         if self.fleet.more_steps:
             self.gen.submit(self.fleet, self.engine_version, admitted)
@@ -184,7 +188,7 @@ class Pipeline:
         """The trainer is free once its step is done and its weights are pushed without error (the
         engines may still be loading them), or at once when the push sends a snapshot
         (transport.overlap_push). Then: a checkpoint if one is asked for, else the next batch."""
-        free = self.training is None and not self.sync.blocks_trainer(self.version)
+        free = not self.train.running and not self.sync.blocks_trainer(self.version)
         if free and self.sync.idle and self.fleet.all_replacing():
             log.warning("no engine serves: engines %s join with version %d now", sorted(self.fleet.joining),
                         self.version)
@@ -202,12 +206,12 @@ class Pipeline:
         batch = self.sched.take_batch(self.version, limit)
         if batch is None:
             return
-        self.training = StepRecord(self.step + 1, self.version, batch, time.perf_counter(), limit)
-        self.fate["taken"] += len(batch)
-        self.recorder.batch_taken(self.training.t_batch)
+        record = StepRecord(self.step + 1, self.version, batch, time.perf_counter(), limit)
+        self.groups["taken"] += len(batch)
+        self.recorder.batch_taken(record.t_batch)
         samples = [s for g in batch for s in g.samples]
         self.last_batch, self.last_groups = samples, batch
-        self.train_refs = self.job.trainer.train_step_async(samples, self.sync.snapshot_for(self.version, limit))
+        self.train.start(record, samples, self.sync.snapshot_for(self.version, limit))
         self.sync.arm(self.version + 1, limit, engines_idle=self.gen.inflight() == 0 and not self.gen.again)
 
     def _wait(self, paused: bool, limit: int) -> list:
@@ -217,9 +221,9 @@ class Pipeline:
 
         from disagg.errors import RolloutError
 
-        # Trainer and sync refs already seen done stay out: ray.wait would return them at once and
-        # the driver would spin (stealing a core) until their siblings finish.
-        busy = [r for r in (self.train_refs or []) + self.sync.refs() if r not in self._seen_done]
+        # Trainer and sync refs already seen done stay out (their owners keep which): ray.wait would
+        # return them at once and the driver would spin (stealing a core) until their siblings finish.
+        busy = self.train.waiting_refs() + self.sync.waiting_refs()
         waitables = [*self.gen.calls, *self.rewards.calls, *self.fleet.launching, *busy]
         if not waitables and not self.fleet.active():  # a sync waiting for an engine would wait forever
             raise RolloutError(f"every rollout engine died ({sorted(self.fleet.died)}) and none is being replaced "
@@ -236,7 +240,7 @@ class Pipeline:
         if not done:
             quiet, stall_limit = time.perf_counter() - self._t_event, self.cfg.cluster.actor_timeout_s
             what = (f"{self.gen.inflight()} groups generating, {self.rewards.scoring()} scoring",
-                    "running" if self.train_refs else "idle", "running" if self.sync.pending else "idle")
+                    "running" if self.train.running else "idle", "running" if self.sync.pending else "idle")
             if quiet >= self._next_log:
                 log.info("waiting %.0f s: %s, %d ready of %d, train step %s, sync %s", quiet, what[0],
                          len(self.sched.ready), self.sched.batch_groups, what[1], what[2])
@@ -247,7 +251,8 @@ class Pipeline:
             return []
         self._t_event, self._next_log = time.perf_counter(), self.cfg.rollout.wait_log_interval_s
         ready, _ = ray.wait(waitables, num_returns=len(waitables), timeout=0)
-        self._seen_done.update(r for r in ready if r in busy)
+        self.train.noticed(ready)
+        self.sync.noticed(ready)
         return ready
 
     # ---- one handler per kind of event ---------------------------------------------------------
@@ -280,67 +285,55 @@ class Pipeline:
                     raise result
                 self.fleet.died_now(group.engine, f"{why} (while generating group(s) {gids})", gids)
                 continue
-            gid, group.result = gids[0], result
-            if result.dropped == "engine_unreachable" and self.gen.retries[gid] < 3:
-                self.gen.retries[gid] += 1  # an agent session's engine died: run the group again
-                self.gen.requeue([gid])
+            gid = gids[0]
+            self.sched.generated(gid, result)
+            if self.gen.run_again(gid, result):  # an agent session's engine died
                 continue
-            if any(v < 1 for c in result.completions for v in c.token_versions):
-                self.gen.dummy_served += 1
+            self.gen.served(result)
             self.recorder.generated(group.engine, sum(len(c.response_ids) for c in result.completions),
                                     time.perf_counter() - group.t_submit)
-            if not self.scorer.check_group(result, self.counts):
+            if not self.scorer.check_group(result, self.scored):
                 self.sched.finished(gid, None)
-                self.fate["dropped_invalid"] += 1
+                self.groups["dropped_invalid"] += 1
                 continue
             self.rewards.finished(gid, [c.final_text if c.final_text is not None else self.decode(c.response_ids)
                                         for c in result.completions], group.row)
 
     def _on_scored(self, gid: int, rewards: list[float], counts: dict[str, int]) -> None:
         """A group's rewards: its samples go to the ready buffer."""
-        self.counts.update(counts)
-        samples = self.scorer.group_samples(self.sched.inflight[gid].result, rewards, self.counts)
+        self.scored.update(counts)
+        samples = self.scorer.group_samples(self.sched.inflight[gid].result, rewards, self.scored)
         self.sched.finished(gid, samples, rewards)
 
     def _on_trained(self) -> None:
         """The train step finished: the trainer is on the next version; the step's sync is queued."""
-        import ray
-
-        from disagg.errors import RolloutError
-
-        record = self.training
-        try:
-            record.train = self.job.trainer.summarise(ray.get(self.train_refs))
-        except ray.exceptions.RayActorError as e:
-            raise RolloutError(f"a trainer worker died during train step {record.step}: {brief(e)}; continue from "
-                               f"the last checkpoint with `disagg train resume={self.job.run_dir}`") from e
-        record.t_train_done = time.perf_counter()
+        record = self.train.finish()
         self.recorder.trained(record.t_train_done)
-        self._seen_done.difference_update(self.train_refs)
-        self.training, self.train_refs = None, None
         self.version += 1
         self.step += 1
         self.sync.trained(record)  # its sync starts at the top of the loop, once the previous one finished
 
     def _on_synced(self, state) -> None:
         """A sync ended: engines serve its version; its step's metrics are made and published."""
-        self._seen_done.difference_update(self.sync.refs())
-        finished = self.sync.finish(self.step, self.version if self.training is None else None)
+        finished = self.sync.finish(self.step, None if self.train.running else self.version)
         if finished is None:  # sent again on a rebuilt group
             return
         sync, done = finished
         self.engine_version = sync.policy_version
-        if self.training is None and self.sync.queued is None:
+        if not self.train.running and self.sync.queued is None:
             # This sync's push and the engines' loads were noticed in one wake-up: the trainer was
             # blocked on the push until now, not yet counted at the top of the loop.
             self.recorder.trainer_free(time.perf_counter())
         self.fleet.synced(self.engine_version)
         if done is None:  # a sync that only brought new engines in
             return
-        self.fate["trained"] += len(done.groups)
+        self.groups["trained"] += len(done.groups)
         now = time.perf_counter()
         load = self.recorder.engine_rates(self.fleet.load, now)
-        rec = self.recorder.step_done(done, sync, now, self._run_totals())
+        totals = self.recorder.run_totals(scored=self.scored, sched=self.sched, gen=self.gen, fleet=self.fleet,
+                                          sync=self.sync, skipped_rows=getattr(self.data, "num_skipped", 0),
+                                          prompts_lost=self.prompts_lost())
+        rec = self.recorder.step_done(done, sync, now, totals)
         self._live_stats(state, trainer_version=self.version, engine_load=load)
         state.publish_metrics(done.step, rec)
         self.last_done = (done.step, sync.policy_version)
@@ -351,33 +344,8 @@ class Pipeline:
         if self.on_step is not None:
             self.on_step(done.step, rec)
 
-    # ---- what the coordinator and the metrics show ---------------------------------------------
+    # ---- what the coordinator shows ---------------------------------------------------------------
     def _live_stats(self, state, **extra) -> None:
-        """The run's live figures for ``disagg ctl status``."""
-        training = [r for r in (self.training, self.sync.queued, self.sync.syncing) if r is not None]
-        state.set_run_stats(buffer_groups=len(self.sched.ready), training_groups=sum(len(r.groups) for r in training),
-                            inflight_groups=self.gen.inflight() + self.rewards.inflight(), **extra)
-
-    def _run_totals(self) -> dict[str, Any]:
-        """The run's counters, for a step's metrics."""
-        counts = self.counts + self.sched.counts
-        return {
-            "samples/dropped_stale": counts["dropped_stale"],
-            "samples/dropped_prompt_too_long": counts["dropped_prompt_too_long"],
-            "samples/reward_errors": counts["reward_errors"],
-            **{f"samples/{k}": v for k, v in counts.items() if k not in ("dropped_stale", "reward_errors")},
-            "data/skipped_rows": getattr(self.data, "num_skipped", 0),
-            "rollout/prompts_drawn": self.gen.next_gid,
-            "rollout/prompts_lost": self.prompts_lost(),
-            "rollout/num_engines": len(self.fleet.serving),
-            "rollout/engines_joined": self.fate["engines_joined"],
-            "rollout/engines_left": self.fate["engines_left"],
-            "rollout/engine_deaths": self.fate["engine_deaths"],
-            "rollout/engines_replaced": self.fate["engines_replaced"],
-            "rollout/groups_requeued": self.fate["groups_requeued"],
-            "rollout/dummy_served": self.gen.dummy_served,
-            "transport/sync_failures": self.fate["sync_failures"],
-            "transport/sync_retries": self.fate["sync_retries"],
-            "rollout/inflight_groups": len(self.sched.inflight),
-            "rollout/ready_groups": len(self.sched.ready),
-        }
+        """The run's live figures for ``disagg ctl status`` (made by the recorder)."""
+        training = [r for r in (self.train.record, self.sync.queued, self.sync.syncing) if r is not None]
+        state.set_run_stats(**self.recorder.live_stats(self.sched, self.gen, self.rewards, training), **extra)

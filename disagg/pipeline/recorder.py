@@ -149,3 +149,34 @@ class StepRecorder:
         self.t_last = now
         self._new_step()
         return rec
+
+    @staticmethod
+    def run_totals(*, scored: Counter, sched, gen, fleet, sync, skipped_rows: int, prompts_lost: int) -> dict[str, Any]:
+        """The run's counters for a step's metrics, from the counts each owner keeps of its own events:
+        the scorer's (``scored``) and the scheduler's drops, ``Generation``'s, the fleet's, the syncs'."""
+        counts = scored + sched.counts
+        return {
+            "samples/dropped_stale": counts["dropped_stale"],
+            "samples/dropped_prompt_too_long": counts["dropped_prompt_too_long"],
+            "samples/reward_errors": counts["reward_errors"],
+            **{f"samples/{k}": v for k, v in counts.items() if k not in ("dropped_stale", "reward_errors")},
+            "data/skipped_rows": skipped_rows,
+            "rollout/prompts_drawn": gen.next_gid,
+            "rollout/prompts_lost": prompts_lost,
+            "rollout/num_engines": len(fleet.serving),
+            **{f"rollout/{k}": fleet.counts[k]
+               for k in ("engines_joined", "engines_left", "engine_deaths", "engines_replaced")},
+            "rollout/groups_requeued": gen.counts["groups_requeued"],
+            "rollout/dummy_served": gen.dummy_served,
+            "transport/sync_failures": sync.counts["sync_failures"],
+            "transport/sync_retries": sync.counts["sync_retries"],
+            "rollout/inflight_groups": len(sched.inflight),
+            "rollout/ready_groups": len(sched.ready),
+        }
+
+    @staticmethod
+    def live_stats(sched, gen, rewards, training: list[StepRecord]) -> dict[str, int]:
+        """The run's live figures (``disagg ctl status``): groups in the buffer, in train steps not yet
+        synced (``training``), generating or scoring."""
+        return {"buffer_groups": len(sched.ready), "training_groups": sum(len(r.groups) for r in training),
+                "inflight_groups": gen.inflight() + rewards.inflight()}

@@ -24,7 +24,7 @@ class RewardWorker:
                  require_sandbox_isolation: bool = False) -> None:
         from disagg.logs import setup_logging
         from disagg.tasks import get_reward
-        from disagg.tasks.sandbox import require_filesystem_isolation
+        from disagg.sandbox import require_filesystem_isolation
 
         setup_logging("reward", log_level)
         if require_sandbox_isolation:
@@ -53,10 +53,12 @@ def reward_calls(gids: list[int], num_workers: int, next_worker: int) -> list[tu
 
 class RewardDispatch:
     """Owns the reward workers and the groups between generation and the ready buffer: held
-    (finished, not sent yet) and scoring (in a worker's call)."""
+    (finished, not sent yet) and scoring (in a worker's call). ``counts``: its own events
+    (``reward_calls``)."""
 
-    def __init__(self, cfg, scorer, fate: Counter, overlap: bool = True) -> None:
-        self.cfg, self.scorer, self.fate, self.overlap = cfg, scorer, fate, overlap
+    def __init__(self, cfg, scorer, overlap: bool = True) -> None:
+        self.cfg, self.scorer, self.overlap = cfg, scorer, overlap
+        self.counts: Counter = Counter()
         self.workers: list[Any] = []
         self.held: list[tuple[int, list[str], dict[str, Any]]] = []  # (gid, texts, row)
         self.calls: dict[Any, list[int]] = {}  # a worker's call -> the gids it scores
@@ -111,7 +113,7 @@ class RewardDispatch:
         for worker, gids in sent:
             self.calls[self.workers[worker].score_groups.remote([by_gid[g] for g in gids])] = gids
         self._next_worker = (self._next_worker + len(sent)) % len(self.workers)
-        self.fate["reward_calls"] += len(sent)
+        self.counts["reward_calls"] += len(sent)
         return []
 
     def done(self, ref) -> list[Scored]:

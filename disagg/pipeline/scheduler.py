@@ -79,6 +79,12 @@ class GroupScheduler:
     def submitted(self, group: Group) -> None:
         self.inflight[group.gid] = group
 
+    def generated(self, gid: int, result: GenResult) -> Group:
+        """Group ``gid`` came back from its engine or runner (scored next)."""
+        group = self.inflight[gid]
+        group.result = result
+        return group
+
     def finished(self, gid: int, samples: list[TrainSample] | None, rewards: list[float] | None = None) -> Group:
         """A group is done generating and scoring; ``samples=None`` means it was dropped (counted by the caller)."""
         group = self.inflight.pop(gid)

@@ -25,10 +25,12 @@ from disagg.trainer.snapshot import KEEP as SNAPSHOTS_KEPT
 
 
 class SyncController:
-    """Owns the pending sync, the step waiting for it, the trainer's snapshots and the retry state."""
+    """Owns the pending sync, the step waiting for it, the trainer's snapshots and the retry state.
+    ``counts``: its own events (``sync_failures``, ``sync_retries``)."""
 
-    def __init__(self, cfg, job, state, fleet: EngineFleet, fate: Counter) -> None:
-        self.cfg, self.job, self.state, self.fleet, self.fate = cfg, job, state, fleet, fate
+    def __init__(self, cfg, job, state, fleet: EngineFleet) -> None:
+        self.cfg, self.job, self.state, self.fleet = cfg, job, state, fleet
+        self.counts: Counter = Counter()
         self.queued: StepRecord | None = None  # a trained step waiting for the previous sync to finish
         self.pending = None  # Job.PendingSync in flight
         self.record: StepRecord | None = None  # the step whose weights ``pending`` carries (None: joins only)
@@ -36,6 +38,7 @@ class SyncController:
         self.snapshots: list[int] = []  # versions the trainer keeps a copy of (overlap_push), oldest first
         self.rebuild = False  # a sync failed: the next one rebuilds the transport group first
         self.failed = 0  # failed syncs in a row
+        self._seen: set = set()  # refs of the pending sync seen finished (waiting_refs)
 
     @property
     def idle(self) -> bool:
@@ -50,6 +53,16 @@ class SyncController:
 
     def refs(self) -> list:
         return self.pending.refs if self.pending is not None else []
+
+    def waiting_refs(self) -> list:
+        """The pending sync's refs the loop still waits on (one seen finished stays out: ``ray.wait``
+        would return it at once while its siblings run)."""
+        return [r for r in self.refs() if r not in self._seen]
+
+    def noticed(self, ready: list) -> None:
+        """``ready`` came back from the loop's wait: its refs of the pending sync are finished."""
+        mine = set(self.refs())
+        self._seen.update(r for r in ready if r in mine)
 
     def snapshot_for(self, version: int, limit: int) -> int | None:
         """The version a train step starting now makes, if its push sends a copy (overlap_push, staleness >= 1)."""
@@ -124,6 +137,7 @@ class SyncController:
         be sent again (``start_queued``, on a rebuilt group; for step ``step`` if it carried none).
         ``trainer_holds``: the version the trainer's live weights hold (None while a step changes them)."""
         pending = self.pending
+        self._seen.clear()
         sync = self._finish(pending, trainer_holds)
         if sync is None:  # failed before the trainer's side was through: again, on a rebuilt group
             self.retry = (pending.policy_version, self.record.step if self.record else step, self.record)
@@ -146,7 +160,7 @@ class SyncController:
             err = e
         v = pending.policy_version
         self.failed += 1
-        self.fate["sync_failures"] += 1
+        self.counts["sync_failures"] += 1
         self.rebuild = True
         self.state.record_event("sync_failed", f"version {v}: {str(err)[:600]}")
         pushed = True
@@ -171,7 +185,7 @@ class SyncController:
         if pushed and self._delivered(pending, v, trainer_holds):
             self.failed = 0
             return self.job.sync_stats(pending, ray.get(pending.trainer_refs))
-        self.fate["sync_retries"] += 1
+        self.counts["sync_retries"] += 1
         self.state.record_event("sync_retried", f"version {v} is sent again on a rebuilt transport group")
         return None
 

@@ -1,6 +1,6 @@
 """The code-execution task: the model writes a Python function, assert tests judge it.
 
-The reward runs the answer in ``disagg.tasks.sandbox`` and scores 1.0 when every
+The reward runs the answer in ``disagg.sandbox`` and scores 1.0 when every
 test passes, else 0.0. Why it failed (``failed``, ``error``, ``timeout``,
 ``memory``, ``syntax``, ``no_code``) is counted in a process-wide counter that a
 caller logs as ``reward/code_<reason>``. The reward never runs model code in
@@ -24,7 +24,7 @@ from collections import Counter
 from typing import Any, Callable
 
 from disagg.tasks.base import register_reward, row_rng, rows_from_cursor
-from disagg.tasks.sandbox import run_python
+from disagg.sandbox import run_python
 
 # A fenced block tagged python/py/python3 or untagged; an unclosed fence (the
 # response ran out of tokens) runs to the end of the text.

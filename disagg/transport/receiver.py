@@ -71,88 +71,116 @@ def receive_weights(
         raise ValueError(f"receive_weights runs on receivers; rank {src} is the sender")
     if num_buffers < 1:
         raise ValueError(f"transport.num_buffers must be >= 1, got {num_buffers}")
-    reassembler = Reassembler(manifest, device=device)
-    slots = _slots(group, manifest, device, num_buffers)
-    header = torch.zeros(3, dtype=torch.int64, device=device)
+    recv = _Receive(group, manifest, load_fn, device, src, num_buffers, verify)
     if go is not None:
         go(group)
-    t0 = time.perf_counter()
-    header_op = group.broadcast_async(header, src, count_bytes=False)
-    # NCCL: the first buckets' receives are posted before the header is read, so the
-    # header's round trip does not delay the wire; they land in this receiver's own
-    # buffers, and nothing is loaded before the header matched. gloo cannot drop a
-    # posted receive (releasing its group waits for the op), so it checks first.
-    early = group.backend == "nccl"
-    header_s = 0.0
-    if not early:
-        header_op.wait()
-        _check_header(group, manifest, header)
-        header_s = time.perf_counter() - t0
-    buckets = manifest.buckets
-    pending: dict[int, tuple[list, torch.Tensor, torch.Tensor | None]] = {}
+    recv.start()
+    for i in range(len(manifest.buckets)):
+        recv.take(i)
+    return recv.finish()
 
-    def post(i: int) -> None:
-        plan = buckets[i]
-        buf = slots[i % num_buffers][plan.dtype][: plan.numel]
-        ops = [group.broadcast_async(buf, src)]
+
+class _Receive:
+    """One receive of ``receive_weights``: its buffers, the buckets on the wire, what was taken."""
+
+    def __init__(self, group: TransportGroup, manifest: Manifest, load_fn: LoadFn, device: torch.device,
+                 src: int, num_buffers: int, verify: bool) -> None:
+        self.group, self.manifest, self.load_fn, self.device = group, manifest, load_fn, device
+        self.src, self.num_buffers, self.verify = src, num_buffers, verify
+        self.buckets = manifest.buckets
+        self.reassembler = Reassembler(manifest, device=device)
+        self.slots = _slots(group, manifest, device, num_buffers)
+        self.pending: dict[int, tuple[list, torch.Tensor, torch.Tensor | None]] = {}
+        self.staged: list[tuple[str, torch.Tensor]] = []  # verify: every tensor, until all checksums passed
+        self.corrupt: list[int] = []
+        self.finished: list = []  # ops waited on the stream, to wait on the host at the end
+        self.num_tensors = 0
+        self.header = torch.zeros(3, dtype=torch.int64, device=device)
+        self.t0 = 0.0
+        self.header_s = 0.0
+
+    def start(self) -> None:
+        """Post the header and the first ``num_buffers`` buckets; return once the header matched."""
+        group, header = self.group, self.header
+        self.t0 = time.perf_counter()
+        header_op = group.broadcast_async(header, self.src, count_bytes=False)
+        # NCCL: the first buckets' receives are posted before the header is read, so the
+        # header's round trip does not delay the wire; they land in this receiver's own
+        # buffers, and nothing is loaded before the header matched. gloo cannot drop a
+        # posted receive (releasing its group waits for the op), so it checks first.
+        early = group.backend == "nccl"
+        if not early:
+            header_op.wait()
+            _check_header(group, self.manifest, header)
+            self.header_s = time.perf_counter() - self.t0
+        for i in range(min(self.num_buffers, len(self.buckets))):
+            self._post(i)
+        if early:
+            header_op.wait()
+            try:
+                _check_header(group, self.manifest, header)
+            except TransportError as e:
+                # Receives of this receiver's sizes are posted: the group is out of step with the sender.
+                group.abandon(str(e))
+                raise
+            self.header_s = time.perf_counter() - self.t0
+
+    def _post(self, i: int) -> None:
+        plan = self.buckets[i]
+        buf = self.slots[i % self.num_buffers][plan.dtype][: plan.numel]
+        ops = [self.group.broadcast_async(buf, self.src)]
         checksum = None
-        if verify:
-            checksum = torch.zeros(2, dtype=torch.int64, device=device)
-            ops.append(group.broadcast_async(checksum, src, count_bytes=False))
-        pending[i] = (ops, buf, checksum)
+        if self.verify:
+            checksum = torch.zeros(2, dtype=torch.int64, device=self.device)
+            ops.append(self.group.broadcast_async(checksum, self.src, count_bytes=False))
+        self.pending[i] = (ops, buf, checksum)
 
-    for i in range(min(num_buffers, len(buckets))):
-        post(i)
-    if early:
-        header_op.wait()
-        try:
-            _check_header(group, manifest, header)
-        except TransportError as e:
-            # Receives of this receiver's sizes are posted: the group is out of step with the sender.
-            group.abandon(str(e))
-            raise
-        header_s = time.perf_counter() - t0
-    staged: list[tuple[str, torch.Tensor]] = []
-    corrupt: list[int] = []
-    num_tensors = 0
-    finished: list = []
-    for i, plan in enumerate(buckets):
-        ops, buf, checksum = pending.pop(i)
+    def take(self, i: int) -> None:
+        """Bucket ``i`` off the wire: checked (verify), its completed tensors loaded or staged; its
+        buffer then takes the bucket ``num_buffers`` ahead."""
+        plan = self.buckets[i]
+        ops, buf, checksum = self.pending.pop(i)
         for op in ops:
-            op.wait(host=verify)  # NCCL: the loads below are stream-ordered after the receive
-            finished.append(op)
+            op.wait(host=self.verify)  # NCCL: the loads below are stream-ordered after the receive
+            self.finished.append(op)
         faults.hit("receive_bucket")
-        if verify and not torch.equal(bucket_checksum(buf), checksum):
-            corrupt.append(plan.index)
-        done = reassembler.feed(plan, buf)
-        num_tensors += len(done)
-        if verify:
-            staged.extend((name, t.clone()) for name, t in done)  # out of the reused buffer
+        if self.verify and not torch.equal(bucket_checksum(buf), checksum):
+            self.corrupt.append(plan.index)
+        done = self.reassembler.feed(plan, buf)
+        self.num_tensors += len(done)
+        if self.verify:
+            self.staged.extend((name, t.clone()) for name, t in done)  # out of the reused buffer
         elif done:
-            load_fn(done)
+            self.load_fn(done)
         # Only now is this bucket's buffer free for the bucket num_buffers ahead.
-        if i + num_buffers < len(buckets):
-            post(i + num_buffers)
-    for op in finished:  # host-side completion: timeouts, errors, byte counts
-        op.wait()
-    rest = reassembler.finish()
-    num_tensors += len(rest)
-    if corrupt:
-        raise ChecksumError(
-            f"group {group.name!r} rank {group.rank}: policy_version={manifest.policy_version} rejected: "
-            f"checksum mismatch in {len(corrupt)} of {len(buckets)} buckets (first {corrupt[:5]}); nothing loaded"
-        )
-    if staged or rest:
-        load_fn(staged + rest)
-    if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
-    stats = ReceiveStats(bytes=sum(p.nbytes for p in buckets), seconds=time.perf_counter() - t0,
-                         num_buckets=len(buckets), num_tensors=num_tensors, header_s=header_s,
-                         header_unix_s=time.time() - (time.perf_counter() - t0 - header_s))
-    log.debug("[transport:%s:%d] received policy_version=%d: %d tensors in %d buckets, %.1f MiB in %.3f s",
-              group.name, group.rank, manifest.policy_version, num_tensors, stats.num_buckets,
-              stats.bytes / 2**20, stats.seconds)
-    return stats
+        if i + self.num_buffers < len(self.buckets):
+            self._post(i + self.num_buffers)
+
+    def finish(self) -> ReceiveStats:
+        """Wait for every op on the host, refuse a corrupt version, load what is left; the figures."""
+        for op in self.finished:  # host-side completion: timeouts, errors, byte counts
+            op.wait()
+        rest = self.reassembler.finish()
+        self.num_tensors += len(rest)
+        group, manifest, buckets = self.group, self.manifest, self.buckets
+        if self.corrupt:
+            raise ChecksumError(
+                f"group {group.name!r} rank {group.rank}: policy_version={manifest.policy_version} rejected: "
+                f"checksum mismatch in {len(self.corrupt)} of {len(buckets)} buckets (first {self.corrupt[:5]}); "
+                "nothing loaded"
+            )
+        if self.staged or rest:
+            self.load_fn(self.staged + rest)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        seconds = time.perf_counter() - self.t0
+        stats = ReceiveStats(bytes=sum(p.nbytes for p in buckets), seconds=seconds, num_buckets=len(buckets),
+                             num_tensors=self.num_tensors, header_s=self.header_s,
+                             header_unix_s=time.time() - (seconds - self.header_s))
+        log.debug("[transport:%s:%d] received policy_version=%d: %d tensors in %d buckets, %.1f MiB in %.3f s",
+                  group.name, group.rank, manifest.policy_version, self.num_tensors, stats.num_buckets,
+                  stats.bytes / 2**20, stats.seconds)
+        return stats
 
 
 def _check_header(group: TransportGroup, manifest: Manifest, header: torch.Tensor) -> None:

@@ -9,10 +9,10 @@ from collections import Counter
 
 import pytest
 
-from disagg.tasks import sandbox_checks
+from disagg.sandbox import checks as sandbox_checks
 from disagg.tasks.base import safe_reward
 from disagg.tasks.code import CodeTaskSource, code_tests_reward, make_code_rows
-from disagg.tasks.sandbox import run_python
+from disagg.sandbox import run_python
 
 TESTS = "assert add(40000000, 2345) == 40002345\nassert add(-17, 5) == -12\nassert 14 == add(7, 7)\n"
 ROW = {"prompt": "Write add(a, b).", "tests": TESTS}

@@ -20,6 +20,7 @@ from disagg.pipeline.recorder import StepRecord, StepRecorder
 from disagg.pipeline.rewards import RewardDispatch
 from disagg.pipeline.scheduler import Group, GroupScheduler
 from disagg.pipeline.sync import SyncController
+from disagg.pipeline.train_step import TrainStep
 from disagg.rollout.types import SamplingSpec
 from disagg.samples import TrainSample
 
@@ -98,10 +99,10 @@ def _fleet(n=2, target=None, **rollout):
         pool.engine_ids, pool.engines = [eid for eid, _ in members], [h for _, h in members]
 
     job.change_engines = change_engines
-    fleet = EngineFleet(_cfg(**rollout), job, state, Counter(), AgentRunners(_cfg()))
     requeued: list[int] = []
     streams = {0: [10, 11], 1: [12]}  # gids still owed by each engine's calls
-    fleet.requeue, fleet.streams_of = requeued.extend, lambda eid: streams.pop(eid, [])
+    fleet = EngineFleet(_cfg(**rollout), job, state, AgentRunners(_cfg()), requeue=requeued.extend,
+                        streams_of=lambda eid: streams.pop(eid, []))
     fleet.start()
     return fleet, pool, state, job, requeued
 
@@ -170,10 +171,10 @@ def test_fleet_death_requeues_the_engines_groups_and_starts_a_replacement() -> N
     assert fleet.serving == [1] and 0 not in fleet.load and fleet.died == {0}
     assert ("discard", 0) in pool.log and ("launch", 2) in pool.log
     assert state.died[0][0] == 0 and "3 prompt group(s) back in the queue" in state.died[0][1]
-    assert fleet.fate["engine_deaths"] == 1 and fleet.fate["engines_replaced"] == 1
+    assert fleet.counts["engine_deaths"] == 1 and fleet.counts["engines_replaced"] == 1
     assert fleet.active() == 2  # the replacement counts as coming
     fleet.died_now(0, "again", gids=[6])  # a second report of the same death only requeues
-    assert requeued[-1] == 6 and fleet.fate["engine_deaths"] == 1
+    assert requeued[-1] == 6 and fleet.counts["engine_deaths"] == 1
 
 
 def test_fleet_does_not_replace_a_dead_engine_when_no_step_is_left() -> None:
@@ -210,7 +211,7 @@ def test_fleet_membership_changes_at_a_sync_and_joined_engines_serve_once_it_lan
     fleet.load[2] = 0  # its group came back: it leaves at the next sync
     fleet.change_at_sync(version=5, rebuild=False)
     assert job.changes[-1] == [0, 1, 3] and state.removed == [2] and ("retire", 2) in pool.log
-    assert fleet.fate["engines_left"] == 1 and fleet.fate["engines_joined"] == 1
+    assert fleet.counts["engines_left"] == 1 and fleet.counts["engines_joined"] == 1
     fleet.change_at_sync(version=6, rebuild=False)  # nobody comes or goes: no rebuild
     assert len(job.changes) == 2
     fleet.change_at_sync(version=6, rebuild=True)  # after a failed sync: rebuilt anyway
@@ -229,7 +230,7 @@ def _sync(overlap_push: bool):
 
     job.start_sync = start_sync
     job.finish_sync = lambda pending: SyncStats(pending.policy_version, 10, 1.0, 0.5, 1)
-    return SyncController(_cfg(), job, state, fleet, Counter()), job
+    return SyncController(_cfg(), job, state, fleet), job
 
 
 def test_sync_waits_for_the_previous_one_and_blocks_the_trainer_until_its_push_left() -> None:
@@ -342,7 +343,7 @@ def test_a_pushed_version_that_reached_no_engine_is_sent_again_to_the_replacemen
     record, finished = _sole_receiver_dies_after_the_push(sync, monkeypatch, 3,
                                                           trainer_holds=None if held_by == "snapshot" else 3)
     assert finished is None and sync.retry == (3, 2, record)
-    assert sync.fate["sync_failures"] == 1 and sync.fate["sync_retries"] == 1
+    assert sync.counts["sync_failures"] == 1 and sync.counts["sync_retries"] == 1
     assert sync.fleet.died == {0} and [eid for eid, _, _ in sync.fleet.launching.values()] == [1]
     assert sync.blocks_trainer(3) == (held_by == "live weights")  # its weights are still to go out
 
@@ -355,7 +356,7 @@ def test_a_pushed_version_that_reached_no_engine_and_that_the_trainer_trained_pa
     monkeypatch.setattr(ray, "get", lambda refs, timeout=None: [None for _ in refs])
     record, (stats, done) = _sole_receiver_dies_after_the_push(sync, monkeypatch, 3, trainer_holds=None)
     assert done is record and stats.policy_version == 3 and sync.retry is None
-    assert sync.fate["sync_failures"] == 1 and sync.fate["sync_retries"] == 0
+    assert sync.counts["sync_failures"] == 1 and sync.counts["sync_retries"] == 0
     assert [k for k, _ in sync.state.events][-1] == "sync_superseded"
 
 
@@ -376,18 +377,17 @@ class _Scorer:
 
 
 def test_rewards_are_scored_on_the_driver_without_workers_and_held_while_generating_when_not_overlapped() -> None:
-    fate = Counter()
-    overlapped = RewardDispatch(_cfg(), _Scorer(), fate, overlap=True)
+    overlapped = RewardDispatch(_cfg(), _Scorer(), overlap=True)
     overlapped.finished(3, ["ab", "bad"], {"bonus": 1.0})
     assert overlapped.inflight() == 1
     assert overlapped.flush(generating=True) == [(3, [3.0, 0.0], {"reward_errors": 1})]
     assert overlapped.inflight() == 0 and overlapped.flush(generating=False) == []
-    serial = RewardDispatch(_cfg(), _Scorer(), fate, overlap=False)
+    serial = RewardDispatch(_cfg(), _Scorer(), overlap=False)
     serial.finished(1, ["a"], {"bonus": 0.0})
     serial.finished(2, ["abc"], {"bonus": 0.0})
     assert serial.flush(generating=True) == [] and serial.inflight() == 2  # held until nothing generates
     assert serial.flush(generating=False) == [(1, [1.0], {}), (2, [3.0], {})]
-    assert fate["reward_calls"] == 0  # no worker was called
+    assert overlapped.counts["reward_calls"] == serial.counts["reward_calls"] == 0  # no worker was called
 
 
 class _Stream:
@@ -408,18 +408,32 @@ def test_generation_sends_requeued_groups_first_and_one_call_per_engine() -> Non
     pool.engines = [SimpleNamespace(generate_stream=_Stream(calls, e)) for e in pool.engine_ids]
     sched = GroupScheduler(batch_groups=4, max_inflight=8)
     rows = iter([SimpleNamespace(row={"i": i}, prompt=f"p{i}", index=i) for i in range(10)])
-    fate = Counter()
     gen = Generation(SimpleNamespace(rollout=pool), sched, rows, lambda text: (len(text),), SamplingSpec(max_tokens=4),
-                     None, fate)
+                     None)
     gen.submit(fleet, engine_version=1, new=3)
     assert calls == [(0, ["g0", "g2"]), (1, ["g1"])] and gen.inflight() == 3 and gen.next_gid == 3
     stream_of_0 = next(ref for ref, owed in gen.calls.items() if "g0" in owed)
     gen.requeue(gen.streams_of(0))  # engine 0 died: its groups come back first
-    assert list(gen.again) == [0, 2] and stream_of_0 not in gen.calls and fate["groups_requeued"] == 2
+    assert list(gen.again) == [0, 2] and stream_of_0 not in gen.calls and gen.counts["groups_requeued"] == 2
     fleet.serving.remove(0)
     gen.submit(fleet, engine_version=2, new=1)
     assert calls[-1][0] == 1 and calls[-1][1][:2] == ["g0-again0", "g2-again1"] and calls[-1][1][2] == "g3"
     assert sched.inflight[0].engine == 1 and sched.inflight[0].submitted_version == 2 and not gen.again
+
+
+def test_generation_runs_an_agent_group_again_at_most_three_times_and_counts_dummy_tokens() -> None:
+    from disagg.rollout.types import Completion, GenResult
+
+    gen = Generation(SimpleNamespace(rollout=None), GroupScheduler(batch_groups=4, max_inflight=8), iter(()),
+                     lambda text: (), SamplingSpec(max_tokens=4), None)
+    lost = GenResult("g5", -1, [1], dropped="engine_unreachable")
+    assert [gen.run_again(5, lost) for _ in range(4)] == [True, True, True, False]
+    assert list(gen.again) == [5, 5, 5] and gen.counts["groups_requeued"] == 3
+    assert not gen.run_again(6, GenResult("g6", 0, [1], [Completion([3], [-0.1], "stop", [1])], 1, 1))
+    gen.served(GenResult("g7", 0, [1], [Completion([3, 4], [-0.1, -0.2], "stop", [1, 1])], 1, 1))
+    assert gen.dummy_served == 0
+    gen.served(GenResult("g8", 0, [1], [Completion([3, 4], [-0.1, -0.2], "stop", [0, 1])], 0, 1))
+    assert gen.dummy_served == 1
 
 
 def test_the_loop_ends_with_an_error_when_no_engine_is_left_for_a_sync_that_waits_for_one() -> None:
@@ -431,7 +445,7 @@ def test_the_loop_ends_with_an_error_when_no_engine_is_left_for_a_sync_that_wait
     fleet.cfg.rollout.replace_dead_engines = False
     fleet.died_now(0, "exited mid-sync")  # the only engine; no replacement
     sync.retry = (3, 2, StepRecord(2, 2, [], 0.0))
-    loop = SimpleNamespace(train_refs=None, sync=sync, _seen_done=set(), gen=SimpleNamespace(calls={}),
+    loop = SimpleNamespace(train=TrainStep(None), sync=sync, gen=SimpleNamespace(calls={}),
                            rewards=SimpleNamespace(calls={}), fleet=fleet, cfg=fleet.cfg, step=2, last_step=2)
     # The last step is done but its weights still wait for an engine: not an idle wait for a resume.
     with pytest.raises(RolloutError, match=r"every rollout engine died \(\[0\]\)"):
@@ -450,3 +464,36 @@ def test_a_syncs_engine_phases_are_the_slowest_engines_and_the_bytes_the_trainer
     assert s.engine_phases == {"update_s": 0.4, "finish_s": 0.09, "quiesce_s": 0.02}
     assert (s.policy_version, s.bytes, s.send_s, s.num_buckets) == (4, 100, 0.5, 2)
     assert Job.sync_stats(None, pending, sent).engine_phases == {}
+
+
+def test_the_recorder_makes_the_run_totals_from_the_counts_each_owner_keeps() -> None:
+    sched = GroupScheduler(batch_groups=4, max_inflight=8)
+    sched.counts.update(dropped_stale=2, dropped_stale_groups=1)
+    gen = SimpleNamespace(next_gid=9, dummy_served=0, counts=Counter(groups_requeued=3), inflight=lambda: 2)
+    fleet = SimpleNamespace(serving=[0, 1], counts=Counter(engine_deaths=1, engines_replaced=1, engines_joined=2))
+    sync = SimpleNamespace(counts=Counter(sync_failures=1, sync_retries=1))
+    totals = StepRecorder.run_totals(scored=Counter(reward_errors=4, invalid_groups=1), sched=sched, gen=gen,
+                                     fleet=fleet, sync=sync, skipped_rows=5, prompts_lost=0)
+    assert {k: totals[k] for k in ("samples/dropped_stale", "samples/reward_errors", "samples/invalid_groups",
+                                   "rollout/groups_requeued", "rollout/engine_deaths", "rollout/engines_replaced",
+                                   "rollout/engines_joined", "rollout/engines_left", "transport/sync_failures",
+                                   "transport/sync_retries", "data/skipped_rows", "rollout/prompts_drawn",
+                                   "rollout/num_engines")} == {
+        "samples/dropped_stale": 2, "samples/reward_errors": 4, "samples/invalid_groups": 1,
+        "rollout/groups_requeued": 3, "rollout/engine_deaths": 1, "rollout/engines_replaced": 1,
+        "rollout/engines_joined": 2, "rollout/engines_left": 0, "transport/sync_failures": 1,
+        "transport/sync_retries": 1, "data/skipped_rows": 5, "rollout/prompts_drawn": 9, "rollout/num_engines": 2}
+    live = StepRecorder.live_stats(sched, gen, SimpleNamespace(inflight=lambda: 1), [])
+    assert live == {"buffer_groups": 0, "training_groups": 0, "inflight_groups": 3}
+
+
+def test_the_train_step_keeps_its_refs_out_of_the_wait_once_seen_finished() -> None:
+    sent = []
+    trainer = SimpleNamespace(train_step_async=lambda samples, snap: sent.append((samples, snap)) or ["r0", "r1"])
+    step = TrainStep(SimpleNamespace(trainer=trainer))
+    assert not step.running and step.waiting_refs() == [] and not step.done([])
+    step.start(StepRecord(4, 3, [], 0.0), ["s"], 4)
+    assert step.running and sent == [(["s"], 4)] and step.waiting_refs() == ["r0", "r1"]
+    step.noticed(["r0", "engine-call"])  # one rank finished, the other trains on
+    assert step.waiting_refs() == ["r1"]
+    assert step.done(["r0", "r1"])

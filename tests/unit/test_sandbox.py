@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 
 from disagg.errors import SandboxError
-from disagg.tasks import sandbox, sandbox_fs
+from disagg.sandbox import fs as sandbox_fs, run as sandbox
 from disagg.tasks import get_reward
 from disagg.tasks.code import code_tests_reward, extract_code, make_code_rows, reason_counts
-from disagg.tasks.sandbox import run_python
+from disagg.sandbox import run_python
 
 ADD_TESTS = "assert add(2, 3) == 5\nassert add(-1, 1) == 0\n"
 ADD = "def add(a, b):\n    return a + b\n"

@@ -7,7 +7,7 @@ must never take the calling process down: whatever the answer does (loops,
 allocates, forks, exits early, floods stderr) comes back as a ``SandboxResult``;
 only misuse by the caller raises.
 
-Filesystem (``filesystem_isolation``, see ``disagg.tasks.sandbox_fs``): the answer
+Filesystem (``filesystem_isolation``, see ``disagg.sandbox.fs``): the answer
 sees a read-only system and Python install, a private /tmp and its own temporary
 directory, nothing of the job (run directory, checkpoints, caches, project, home),
 and runs as nobody when the caller is root. It is built by bubblewrap (``"bwrap"``)
@@ -54,7 +54,7 @@ timeout kills the lot.
 
 The verdict is the caller's, never the box's: the answer runs in the child, so it
 can rewrite anything there (frames, builtins, the harness, the results pipe). Each
-test ``assert <expr> == <literal>`` (``disagg.tasks.sandbox_checks``) is split: only
+test ``assert <expr> == <literal>`` (``disagg.sandbox.checks``) is split: only
 ``<expr>`` enters the box; the child reports its value as data of exact built-in
 types, and the caller compares that with the literal. A pass needs every test's
 value, each reported once and each holding, and the child to finish (so
@@ -89,9 +89,9 @@ from pathlib import Path
 from typing import Literal
 
 from disagg.errors import SandboxError
-from disagg.tasks import sandbox_checks, sandbox_fs
-from disagg.tasks.sandbox_checks import Check
-from disagg.tasks.sandbox_fs import NOBODY
+from disagg.sandbox import checks as sandbox_checks, fs as sandbox_fs
+from disagg.sandbox.checks import Check
+from disagg.sandbox.fs import NOBODY
 
 log = logging.getLogger("disagg.sandbox")
 
@@ -283,7 +283,7 @@ def _run_sandboxed(code: str, checks: list[Check], timeout_s: float, memory_byte
 class _Run:
     proc: subprocess.Popen
     results: bytearray
-    """The head of what came through the results pipe (``sandbox_runner``'s lines)."""
+    """The head of what came through the results pipe (``runner``'s lines)."""
     results_reader: threading.Thread
     stderr_tail: bytearray
     reader: threading.Thread
@@ -538,4 +538,4 @@ _PER_NAMESPACE_PID_MAX = _per_namespace_pid_max()
 
 
 # The supervisor script the interpreter runs (a file of its own; never imported).
-_RUNNER = (Path(__file__).parent / "sandbox_runner.py").read_text(encoding="utf-8")
+_RUNNER = (Path(__file__).parent / "runner.py").read_text(encoding="utf-8")

@@ -1,8 +1,8 @@
-"""The script the sandbox's interpreter runs (``disagg.tasks.sandbox`` copies it into the run's
+"""The script the sandbox's interpreter runs (``disagg.sandbox`` copies it into the run's
 directory as ``_runner.py``); never imported.
 
 It is the supervisor: it forks the child that runs the answer then evaluates the tests'
-expressions (``exprs.json``, from ``disagg.tasks.sandbox_checks``), and never runs user code
+expressions (``exprs.json``, from ``disagg.sandbox.checks``), and never runs user code
 itself. The child writes to the results pipe one line per expression, ``value <i> <json>``
 (``encode``) or ``refused <i> <why>``, and ``status <word>`` when it stops: done, syntax, error,
 failed (an AssertionError) or memory. The answer runs in the child and may write there too;
@@ -19,7 +19,7 @@ import time
 
 RESULTS_FD, TIMEOUT_S, PID_MAX, DROP_UID = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 EXIT_TIMEOUT = 124
-MAX_DEPTH = 100  # sandbox_checks.MAX_DEPTH
+MAX_DEPTH = 100  # checks.MAX_DEPTH
 
 
 def kill(pid):
@@ -96,7 +96,7 @@ _TAGS = {list: "l", tuple: "t", set: "s", frozenset: "z"}
 
 
 def encode(value, depth=0):
-    """``value`` as JSON-able data that ``sandbox_checks.decode`` rebuilds. Types are checked
+    """``value`` as JSON-able data that ``checks.decode`` rebuilds. Types are checked
     exactly (``type(x) is int``): a subclass could forge ``__eq__``, ``__repr__`` or ``__iter__``."""
     t = type(value)
     if value is None or t is bool or t is str:

@@ -6,7 +6,7 @@ secret from its caller's frame and write the verdict itself, return an object wh
 or read the expected values from the test file. For an RL policy that is a reward to
 find. So ``run_python`` splits each test ``assert <expr> <op> <literal>`` here: only
 ``<expr>`` goes into the sandbox, whose child evaluates it after the answer and reports
-its value as data (``sandbox_runner.encode``: exact built-in types only); the caller
+its value as data (``runner.encode``: exact built-in types only); the caller
 decodes that into fresh built-in objects and compares them with the literal. The
 literal never enters the box (no file, argument or memory of it), so whatever the
 answer writes back is at best a guess. ``assert <expr>`` and ``assert not <expr>`` take
@@ -125,7 +125,7 @@ def _literal(node: ast.expr) -> Any:
 
 
 def decode(payload: str) -> Any:
-    """The value a child reported (``sandbox_runner.encode``'s JSON), as exact built-in types.
+    """The value a child reported (``runner.encode``'s JSON), as exact built-in types.
 
     Raises ``ValueError`` for anything else (the answer controls the child, so it may write anything).
     """
@@ -161,7 +161,7 @@ def _decode(node: Any, depth: int) -> Any:
 
 def parse_results(data: bytes, num_checks: int) -> tuple[list[list[tuple[bytes, bytes]]], str | None]:
     """The (kind, payload) lines reported for each test, and the last status word. A line that is
-    not of ``sandbox_runner``'s forms, or not ended (cut at the limit), is ignored."""
+    not of ``runner``'s forms, or not ended (cut at the limit), is ignored."""
     values: list[list[tuple[bytes, bytes]]] = [[] for _ in range(num_checks)]
     status = None
     for line in data.split(b"\n")[:-1]:

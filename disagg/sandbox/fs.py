@@ -14,7 +14,7 @@ Run as root, the answer also runs as nobody (``NOBODY``): no root-owned file is
 writable and no file readable by root only, even where the view shows one. Run as
 another user, it runs as that user.
 
-Two ways to build the view; ``disagg.tasks.sandbox`` uses the first that works here:
+Two ways to build the view; ``disagg.sandbox`` uses the first that works here:
 
 - ``"bwrap"``: bubblewrap (Debian's ``bubblewrap``, which ``make venv`` installs where
   it is root and apt is there). As root it runs privileged, without a user

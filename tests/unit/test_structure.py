@@ -1,0 +1,88 @@
+"""The package's structure: which of disagg's parts import which (every import, at module level
+or inside a function, read from the source with ``ast``)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import disagg
+
+ROOT = Path(disagg.__file__).parent
+
+
+def _part(module: str) -> str:
+    """``disagg.x.y`` -> ``x`` (a top-level module or package of disagg)."""
+    return module.split(".")[1]
+
+
+def _imports() -> dict[str, set[str]]:
+    """Each part -> the parts of disagg its code imports."""
+    graph: dict[str, set[str]] = {}
+    for path in ROOT.rglob("*.py"):
+        rel = path.relative_to(ROOT.parent).with_suffix("")
+        if len(rel.parts) < 2 or "_proto" in rel.parts:
+            continue
+        name = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+        if name == "disagg":
+            continue
+        here = _part(name)
+        package = name if rel.name == "__init__" else name.rsplit(".", 1)[0]
+        targets = graph.setdefault(here, set())
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                mods = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:  # relative: resolve against this module's package
+                    base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    mods = [".".join(base + ([node.module] if node.module else []))]
+                else:
+                    mods = [node.module or ""]
+                if mods[0] == "disagg":  # from disagg import x: x is the part
+                    mods = [f"disagg.{a.name}" for a in node.names]
+            else:
+                continue
+            targets |= {_part(m) for m in mods if m.startswith("disagg.") and _part(m) != here}
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(n: str) -> list[str] | None:
+        state[n] = 1
+        stack.append(n)
+        for m in sorted(graph.get(n, ())):
+            if state.get(m) == 1:
+                return stack[stack.index(m):] + [m]
+            if m not in state and (found := visit(m)):
+                return found
+        stack.pop()
+        state[n] = 2
+        return None
+
+    for n in sorted(graph):
+        if n not in state and (found := visit(n)):
+            return found
+    return None
+
+
+def test_the_import_graph_of_disaggs_parts_has_no_circle():
+    graph = _imports()
+    assert {"rollout", "trainer", "transport", "pipeline", "sandbox", "tasks"} <= set(graph)
+    assert "transport" in graph["trainer"]  # the walk sees imports inside functions too
+    circle = _cycle(graph)
+    assert circle is None, " -> ".join(circle)
+
+
+def test_the_sandbox_is_its_own_part_that_tasks_and_tools_use():
+    graph = _imports()
+    assert graph["sandbox"] <= {"errors"}, graph["sandbox"]
+    assert "sandbox" in graph["tasks"] and "sandbox" in graph["agent"]
+    assert not list(ROOT.joinpath("tasks").glob("sandbox*.py"))
+
+
+def test_the_cycle_finder_finds_one():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) is None
