@@ -14,7 +14,7 @@ aborts this actor's requests and continues each on the new weights from the
 tokens it had, so that each piece of a response comes from one version the actor
 knows. 'auto' keeps where vLLM labels tokens (``vllm_api``) and resubmits where it
 does not. A resubmitted piece carries its request's cache salt, so vLLM's prefix cache
-gives back the KV its earlier pieces computed (each token's KV from the weights that
+gives back the KV its earlier pieces computed (each full block's KV from the weights that
 fed it, as in keep mode) and the new weights prefill only the last, partial block;
 each ``Completion.pieces`` says how much KV a piece took over.
 
@@ -559,8 +559,8 @@ class EngineActor:
         A continuation keeps its request's cache salt (the version its KV chain started with): vLLM's
         prefix cache then holds the full blocks of the prompt and tokens so far as the weights that
         fed them computed them, and the new weights prefill only the rest (vLLM recomputes at least
-        the last token). That is keep mode's rule for each token's KV, at the cost of a partial block
-        per sync instead of the whole context. A piece that made no token starts a fresh chain on the
+        the last token). That is keep mode's rule for the KV of every full block (the partial one is
+        the new weights'), at the cost of a partial block per sync instead of the whole context. A piece that made no token starts a fresh chain on the
         new weights (its own prefill may have stopped half way). ``Completion.pieces``: for each
         continuation, (the response tokens it started from, the prompt + response positions whose KV
         it took over; 0 for a fresh chain)."""
