@@ -163,8 +163,8 @@ def replay_logprobs(model_path, states: dict[int, dict], prompt: list[int], resp
 
     ``recompute=False`` (keep mode, vLLM's pause): decode step by step, the KV of earlier tokens
     kept as the weights of their own steps computed it; token t comes out of the step that feeds
-    token t-1 (the prompt for t = 0). ``recompute=True`` (resubmit mode): everything before a token
-    computed again by that token's weights, one pass per run of a version. ``pieces`` (resubmit
+    token t-1 (the prompt for t = 0). ``recompute=True``: everything before a token computed again
+    by that token's weights, one pass per run of a version (the tests' "other KV rule"). ``pieces`` (resubmit
     mode, ``Completion.pieces``): as vLLM ran it, each continuation ``(k, kept)`` keeping the KV of
     the first ``kept`` positions as the earlier pieces computed it and prefilling the rest of the
     prompt and ``response[:k]`` with token k's weights, then decoding step by step.
@@ -208,8 +208,8 @@ def replay_logprobs(model_path, states: dict[int, dict], prompt: list[int], resp
                 for t in range(start, end):  # token t is predicted at position len(prompt) + t - 1
                     take(t, logits[len(prompt) + t - 1])
                 start = end
-        elif pieces is not None:
-            starts = {k: kept for k, kept in pieces}  # a piece that made no token is followed by a fresh one
+        else:  # decode step by step; a piece (resubmit mode) first cuts the cache to what it kept
+            starts = dict(pieces or ())  # a piece that made no token is followed by a fresh one
             cache = DynamicCache()
             for t in range(len(response)):
                 if t == 0 or t in starts:
@@ -221,17 +221,10 @@ def replay_logprobs(model_path, states: dict[int, dict], prompt: list[int], resp
                         cache.crop(kept - cache.get_seq_length())
                     feed = (prompt + response[:t])[kept:]
                 else:
-                    assert versions[t] == versions[t - 1], f"token {t}: a change of version inside a piece"
+                    if versions[t] != versions[t - 1]:  # keep mode: the next step runs on the new weights
+                        assert pieces is None, f"token {t}: a change of version inside a piece"
+                        load(versions[t])
                     feed = [response[t - 1]]
-                logits = model(input_ids=torch.tensor([feed], device=device), past_key_values=cache,
-                               use_cache=True).logits[0, -1]
-                take(t, logits.float())
-        else:
-            cache = DynamicCache()
-            for t, token in enumerate(response):
-                if t == 0 or versions[t] != versions[t - 1]:
-                    load(versions[t])
-                feed = prompt if t == 0 else [response[t - 1]]
                 logits = model(input_ids=torch.tensor([feed], device=device), past_key_values=cache,
                                use_cache=True).logits[0, -1]
                 take(t, logits.float())

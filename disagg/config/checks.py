@@ -34,14 +34,13 @@ def validate(cfg: Config, mode: str = "train") -> Config:
     """
     for key, rule, note in RANGES:
         v = _value(cfg, key)
-        ok, want = _RULES[rule]
-        _check(ok(v), f"{key}={v}: must be {want}{note}")
+        _check(_RULES[rule](v), f"{key}={v}: must be {rule}{note}")
     for check in CHECKS:
         check(cfg, mode)
     return cfg
 
 
-_RULES = {">= 1": (lambda v: v >= 1, ">= 1"), "> 0": (lambda v: v > 0, "> 0"), ">= 0": (lambda v: v >= 0, ">= 0")}
+_RULES = {">= 1": lambda v: v >= 1, "> 0": lambda v: v > 0, ">= 0": lambda v: v >= 0}
 
 RANGES: tuple[tuple[str, str, str], ...] = (
     # (key, rule, what the message adds)
@@ -230,8 +229,6 @@ def _check_trackers(cfg: Config, mode: str) -> None:
     from disagg.trackers import check_backends
 
     check_backends(cfg.logging.backends, need_packages=mode == "train")
-
-
 
 
 # Resources a bundle gets from other keys (trainer.cpus_per_worker, cluster.device, cluster.*_nodes).

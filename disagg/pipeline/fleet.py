@@ -413,3 +413,29 @@ def is_done(ref) -> bool:
     import ray
 
     return bool(ray.wait([ref], num_returns=1, timeout=0)[0])
+
+
+def all_done(refs, ready: list) -> bool:
+    """Every one of ``refs`` finished: in ``ready`` (the loop's last wait) or before."""
+    return all(r in ready or is_done(r) for r in refs)
+
+
+class SeenRefs:
+    """The refs of a call on several actors (a train step's ranks, a sync's parties) that the loop's
+    wait returned while a sibling still runs: they stay out of the next wait, which would return
+    them at once (the driver would spin, stealing a core, until the siblings finish)."""
+
+    def __init__(self) -> None:
+        self._seen: set = set()
+
+    def waiting(self, refs) -> list:
+        """``refs`` the loop still waits on."""
+        return [r for r in refs if r not in self._seen]
+
+    def noticed(self, refs, ready: list) -> None:
+        """``ready`` came back from the loop's wait: those of ``refs`` among them are finished."""
+        mine = set(refs)
+        self._seen.update(r for r in ready if r in mine)
+
+    def clear(self) -> None:
+        self._seen.clear()

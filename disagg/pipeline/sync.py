@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from disagg.pipeline.fleet import EngineFleet, brief, is_done
+from disagg.pipeline.fleet import EngineFleet, SeenRefs, all_done, brief, is_done
 from disagg.pipeline.recorder import StepRecord
 from disagg.trainer.snapshot import KEEP as SNAPSHOTS_KEPT
 
@@ -38,7 +38,7 @@ class SyncController:
         self.snapshots: list[int] = []  # versions the trainer keeps a copy of (overlap_push), oldest first
         self.rebuild = False  # a sync failed: the next one rebuilds the transport group first
         self.failed = 0  # failed syncs in a row
-        self._seen: set = set()  # refs of the pending sync seen finished (waiting_refs)
+        self._seen = SeenRefs()  # refs of the pending sync seen finished
 
     @property
     def idle(self) -> bool:
@@ -55,14 +55,12 @@ class SyncController:
         return self.pending.refs if self.pending is not None else []
 
     def waiting_refs(self) -> list:
-        """The pending sync's refs the loop still waits on (one seen finished stays out: ``ray.wait``
-        would return it at once while its siblings run)."""
-        return [r for r in self.refs() if r not in self._seen]
+        """The pending sync's refs the loop still waits on."""
+        return self._seen.waiting(self.refs())
 
     def noticed(self, ready: list) -> None:
         """``ready`` came back from the loop's wait: its refs of the pending sync are finished."""
-        mine = set(self.refs())
-        self._seen.update(r for r in ready if r in mine)
+        self._seen.noticed(self.refs(), ready)
 
     def snapshot_for(self, version: int, limit: int) -> int | None:
         """The version a train step starting now makes, if its push sends a copy (overlap_push, staleness >= 1)."""
@@ -130,7 +128,7 @@ class SyncController:
         return self.job.start_sync(version, step, from_snapshot=version in self.snapshots)
 
     def done(self, ready: list) -> bool:
-        return self.pending is not None and all(r in ready or is_done(r) for r in self.pending.refs)
+        return self.pending is not None and all_done(self.pending.refs, ready)
 
     def finish(self, step: int, trainer_holds: int | None):
         """The pending sync ended: (its SyncStats, its step's record), or None when it failed and is to

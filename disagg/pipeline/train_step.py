@@ -1,15 +1,14 @@
 """``TrainStep``: the train step in flight, its owner.
 
 It holds the step's record from the batch to the trainer's answer, the trainer's refs, and which of
-them the loop has already seen finish (a finished ref stays out of the loop's wait until its
-siblings are done: ``ray.wait`` would return it at once and the driver would spin).
+them the loop has already seen finish (``SeenRefs``).
 """
 
 from __future__ import annotations
 
 import time
 
-from disagg.pipeline.fleet import brief, is_done
+from disagg.pipeline.fleet import SeenRefs, all_done, brief
 from disagg.pipeline.recorder import StepRecord
 from disagg.samples import TrainSample
 
@@ -21,7 +20,7 @@ class TrainStep:
         self.job = job
         self.record: StepRecord | None = None
         self.refs: list | None = None
-        self._seen: set = set()  # refs seen finished while a sibling still runs
+        self._seen = SeenRefs()
 
     @property
     def running(self) -> bool:
@@ -34,15 +33,14 @@ class TrainStep:
 
     def waiting_refs(self) -> list:
         """The step's refs the loop still waits on."""
-        return [r for r in self.refs or () if r not in self._seen]
+        return self._seen.waiting(self.refs or ())
 
     def noticed(self, ready: list) -> None:
         """``ready`` came back from the loop's wait: its refs of this step are finished."""
-        mine = set(self.refs or ())
-        self._seen.update(r for r in ready if r in mine)
+        self._seen.noticed(self.refs or (), ready)
 
     def done(self, ready: list) -> bool:
-        return self.refs is not None and all(r in ready or is_done(r) for r in self.refs)
+        return self.refs is not None and all_done(self.refs, ready)
 
     def finish(self) -> StepRecord:
         """The finished step's record, with the trainer's figures; a trainer worker that died is a

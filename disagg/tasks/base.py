@@ -56,7 +56,6 @@ def import_callable(ref: str, key: str) -> Callable:
     return fn
 
 
-
 @dataclass
 class PromptRow:
     """One prompt with its reward context. ``index`` is its position in the data stream."""
