@@ -50,6 +50,7 @@ class ArmedReceive:
     refs: list  # every engine's receive
     engine_ids: tuple[int, ...]
     epoch: int  # the transport group's; a rebuilt group ends the wait
+    pushes: list = field(default_factory=list)  # the trainer ranks' armed pushes, waiting for the go (or none)
 
 
 @dataclass
@@ -98,6 +99,7 @@ class Job:
         self._manifest = None  # the trainer's manifest (asked of it at the first sync)
         self.armed: ArmedReceive | None = None
         self._arm_ids = 0
+        self._signals = None  # StoreSignals: the driver's word to armed pushes, into each group's store
 
     @classmethod
     def start(cls, cfg: Config, run_dir: Path, model_path: Path | str) -> "Job":
@@ -173,6 +175,7 @@ class Job:
         from disagg.transport.sync import source_groups_needed
 
         self.disarm()  # an armed receive waits on the group being replaced
+        self._signals = None
         self.transport_epoch += 1
         t = self.cfg.transport.timeout_s
         n_groups = source_groups_needed(self.cfg.transport.source, self.cfg.trainer.num_workers)
@@ -191,6 +194,10 @@ class Job:
             ray_get_logged(refs, what=what, timeout_s=t + 30, log=log)
         except TimeoutError as e:
             raise TransportError(f"{what}: {e}") from e
+        if self.trainer.overlap_push:  # armed pushes wait on the transport thread for the driver's word
+            from disagg.transport.group import StoreSignals
+
+            self._signals = StoreSignals(endpoints, timeout_s=t)
         log.info("transport up: %d group(s) of %d ranks, backend %s, source %s, %.2fs", n_groups, world,
                  self.backend, self.cfg.transport.source, time.perf_counter() - t0)
 
@@ -202,9 +209,12 @@ class Job:
         """Put every engine's receive of ``policy_version`` on the transport group now, before the trainer
         has the version (while the engines would be idle: a sync loop's train step). The engine stops
         its steps while it waits (``timeout_s`` at most; the trainer dying ends it), and a call into vLLM's
-        engine core (a version query, a generation) waits behind it until the sync. ``start_sync``
-        of that version then only wakes them through the group: no Ray or vLLM dispatch between the
-        announce and the wire. ``disarm`` calls it off."""
+        engine core (a version query, a generation) waits behind it until the sync. With
+        ``transport.overlap_push`` the trainer's push is put in place too, on its transport thread,
+        waiting in the group's store for the driver's word. ``start_sync`` of that version then only
+        sets that word after the announce: no Ray, engine-core or trainer dispatch between the announce
+        and the wire (without overlap_push it calls the trainer, whose push wakes the engines).
+        ``disarm`` calls it off."""
         if self.armed is not None:
             raise TransportError(f"an armed receive (version {self.armed.policy_version}) is already waiting")
         if self._manifest is None:
@@ -212,8 +222,10 @@ class Job:
         self._arm_ids += 1
         refs = self.rollout.receive_weights_async(policy_version, digest=self._manifest.layout_digest(), ack=False,
                                                   arm_id=self._arm_ids, arm_timeout_s=timeout_s)
+        pushes = (self.trainer.push_weights_async(policy_version, False, self._arm_ids, go_timeout_s=timeout_s)
+                  if self._signals is not None else [])
         self.armed = ArmedReceive(self._arm_ids, policy_version, refs, tuple(self.rollout.engine_ids),
-                                  self.transport_epoch)
+                                  self.transport_epoch, pushes)
 
     def disarm(self, timeout_s: float | None = None) -> None:
         """Call off the armed receive, if any: the trainer tells the engines, which return having loaded
@@ -223,12 +235,26 @@ class Job:
             return
         timeout_s = self.cfg.transport.timeout_s if timeout_s is None else timeout_s
         try:
-            ray_get_logged(self.trainer.disarm_async(armed.arm_id), what=f"calling off armed receive {armed.arm_id}",
+            if armed.pushes:  # the trainer's armed push calls the engines' receives off itself
+                from disagg.transport.sync import ARM_CANCEL
+
+                self._go(armed, ARM_CANCEL)
+            else:
+                ray_get_logged(self.trainer.disarm_async(armed.arm_id), what=f"calling off armed receive "
+                               f"{armed.arm_id}", timeout_s=timeout_s, log=log)
+            ray_get_logged(armed.pushes + armed.refs, what=f"armed receive {armed.arm_id} to return",
                            timeout_s=timeout_s, log=log)
-            ray_get_logged(armed.refs, what=f"armed receive {armed.arm_id} to return", timeout_s=timeout_s, log=log)
         except Exception as e:  # noqa: BLE001 - a dead party is the caller's to handle: the next sync finds it
             log.warning("armed receive of version %d not called off cleanly: %s", armed.policy_version,
                         str(e).splitlines()[0][:300])
+
+    def _go(self, armed: ArmedReceive, word: str) -> None:
+        """The driver's word to the trainer's armed pushes (``ARM_SEND`` or ``ARM_CANCEL``), through each
+        group's store. A store that is gone means its trainer rank died: its push's ref says so."""
+        from disagg.transport.sync import go_key
+
+        for failed in self._signals.signal(go_key(armed.arm_id), word):
+            log.warning("armed push %d: could not say %r (%s)", armed.arm_id, word, failed)
 
     def start_sync(self, policy_version: int, trainer_step: int, from_snapshot: bool = False) -> "PendingSync":
         """Announce ``policy_version`` and start its broadcast; engines keep generating until they
@@ -251,11 +277,18 @@ class Job:
             raise
         armed = self.armed
         if armed is not None and ((armed.policy_version, armed.engine_ids, armed.epoch) != (
-                policy_version, tuple(self.rollout.engine_ids), self.transport_epoch) or _any_done(armed.refs)):
-            self.disarm()  # armed for another version or other engines, or a receive ended (failed) meanwhile
+                policy_version, tuple(self.rollout.engine_ids), self.transport_epoch) or _any_done(armed.refs)
+                or (armed.pushes and (from_snapshot or _any_done(armed.pushes)))):
+            # armed for another version, other engines or the live weights, or a party ended (failed) meanwhile
+            self.disarm()
             armed = None
         self.armed = None
-        if armed is not None:  # the engines wait on the group: the trainer's push wakes them
+        if armed is not None and armed.pushes:  # every party waits on the group: the driver's word starts it
+            from disagg.transport.sync import ARM_SEND
+
+            self._go(armed, ARM_SEND)
+            pushes, receives = armed.pushes, armed.refs
+        elif armed is not None:  # the engines wait on the group: the trainer's push wakes them
             pushes = self.trainer.push_weights_async(policy_version, from_snapshot, armed.arm_id)
             receives = armed.refs
         else:

@@ -16,11 +16,14 @@ untimed syncs first: a direct load learns its copy plan in the first) and then f
              staleness >= 1 run: the trainer sends the copy its train step took (``take_snapshot``
              here, not timed), laid out as the buckets in the wire dtype, so the push sends views
              of it with no packing or cast
-  <load>, armed  the same, with every engine's receive put on the group before the announce
-             (``Job.arm_sync``, as the loop does when the engines are idle during a train step): the
-             announce only tells the trainer, whose push wakes the waiting workers through the group's
-             store; also reported: the trainer's push starting -> the last engine serving, which no
-             driver, Ray or engine-core hop is part of
+  <load>, armed  the same, with every engine's receive and the trainer's push put on the group
+             before the announce (``Job.arm_sync``, as the loop does when the engines are idle during a
+             train step): the announce only sets the driver's word in the group's store, the trainer's
+             push sends at it and wakes the waiting workers; also reported: the trainer's push starting
+             -> the last engine serving, which no driver, Ray or engine-core hop is part of
+
+and for every mode the announce -> the last engine serving (its worker out of the load, on one
+host's clock; the engine core steps again from there), without the answers' way back to the driver
   <peer>     with ``--peer vllm-nccl``: the same bytes into the same engine through vLLM's own NCCL
              weight-transfer engine (packed, its default 1 GiB x 2 buffers), as its users drive it:
              the trainer's ``trainer_send_weights`` beside ``AsyncLLM``'s start / update / finish
@@ -144,6 +147,11 @@ def summarise(raw_s: list[float], syncs: dict[str, list[dict[str, Any]]],
             # the parties' own clocks (one host): no driver, Ray or engine-core hop in it when armed
             out["modes"][mode]["push_to_serving_s"] = statistics.median(
                 r["timeline"]["worker_out"] - r["timeline"]["trainer_in"] for r in runs)
+            # the issue's measure: the announce -> the last engine serving (its worker out of the load;
+            # the engine core steps again from there), without the answers' way back to the driver
+            serving = statistics.median(r["timeline"]["worker_out"] for r in runs)
+            out["modes"][mode].update(announce_to_serving_s=serving, raw_vs_serving=raw / serving if serving > 0
+                                      else None, fixed_to_serving_s=serving - raw)
     return out
 
 
@@ -313,6 +321,11 @@ def render(report: dict[str, Any]) -> None:
         table.add_row(f"sync, load={mode}: announce -> serving", f"{m['seconds']:.4f}", f"{gb / m['seconds']:.2f}",
                       f"{m['raw_vs_sync']:.2f}")
         table.add_row("  fixed cost (sync - raw)", f"{m['fixed_s']:.4f}", "", "")
+        if "announce_to_serving_s" in m:
+            table.add_row("  announce -> the last engine serving (its worker out of the load; clocks of one host)",
+                          f"{m['announce_to_serving_s']:.4f}", f"{gb / m['announce_to_serving_s']:.2f}",
+                          f"{m['raw_vs_serving']:.2f}")
+            table.add_row("    fixed cost (that - raw)", f"{m['fixed_to_serving_s']:.4f}", "", "")
         if "push_to_serving_s" in m:
             table.add_row("  the trainer's push starting -> the last engine serving (their clocks)",
                           f"{m['push_to_serving_s']:.4f}", f"{gb / m['push_to_serving_s']:.2f}",

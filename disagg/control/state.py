@@ -45,7 +45,9 @@ class RejectedError(ControlError):
 
 
 class CoordinatorState:
-    """Thread-safe control state; the gRPC servicer and the driver both call it."""
+    """Thread-safe control state; the gRPC servicer and the driver both call it. One class on purpose:
+    one lock guards what its callers read and change together (a version's announce, acks and commit;
+    the scale target beside the engines' states; pause, stop and checkpoint requests)."""
 
     def __init__(self, max_staleness: int = 0, run_dir: str = "", num_manifests_kept: int = 4):
         if num_manifests_kept < 1:

@@ -94,16 +94,19 @@ class AgentRunners:
 
 
 class EngineFleet:
-    """Owns the engines' membership, load and health, and decides deaths, replacements and scaling.
+    """Owns the engines' membership and health, and decides deaths, replacements and scaling.
 
     ``requeue(gids)`` sends a dead engine's groups back for generation; ``streams_of(eid)`` takes
     the calls in flight to engine ``eid`` off the books and returns their gids (both from
-    ``Generation``, given when the fleet is built: the fleet calls them, never the other way).
+    ``Generation``); ``generating(eid)`` is how many groups engine ``eid`` generates now (the
+    scheduler's count, which placement and draining go by). All three are given when the fleet is
+    built: the fleet calls them, never the other way.
     ``more_steps`` is set by the loop: no engine is started for a run that ends.
     """
 
     def __init__(self, cfg, job, state, runners: AgentRunners, agent: bool = False, *,
-                 requeue: Callable[[list[int]], None], streams_of: Callable[[int], list[int]]) -> None:
+                 requeue: Callable[[list[int]], None], streams_of: Callable[[int], list[int]],
+                 generating: Callable[[int], int]) -> None:
         self.cfg, self.job, self.pool, self.state = cfg, job, job.rollout, state
         self.counts: Counter = Counter()  # its own events: engines launched, started, dead, replaced, left, joined
         self.runners, self.agent = runners, agent
@@ -113,19 +116,17 @@ class EngineFleet:
         self.joining: dict[int, Any] = {}
         self.joined: list[int] = []
         self.died: set[int] = set()
-        self.load: dict[int, int] = {}  # groups in flight per engine
         self.addresses: dict[int, str] = {}  # engine id -> OpenAI address, of engines added by a scale-up
         self.join_version: dict[int, int] = {}  # engine id -> the version whose sync it joined at (scale-up)
         self.more_steps = True
         self._pings: dict[int, tuple[Any, float]] = {}  # engine id -> (health check ref, sent at)
         self._last_ping: dict[int, float] = {}
         self._rr = 0
-        self.requeue, self.streams_of = requeue, streams_of
+        self.requeue, self.streams_of, self.generating = requeue, streams_of, generating
 
     def start(self) -> None:
         """The run starts: every engine of the pool serves."""
         self.serving = list(self.pool.engine_ids)
-        self.load = {eid: 0 for eid in self.pool.engine_ids}
 
     def shutdown(self) -> None:
         """Engines that never became members are not the job's to shut down."""
@@ -149,17 +150,17 @@ class EngineFleet:
 
     # ---- placement -----------------------------------------------------------------------------
     def place(self) -> int:
-        """The serving engine for the next group: the fewest groups in flight, round-robin among equals."""
-        serving, load = self.serving, self.load
-        k = min(range(len(serving)), key=lambda i: (load[serving[i]], (i - self._rr) % len(serving)))
+        """The serving engine for the next group: the fewest groups generating (the scheduler counts the
+        group once it is submitted there), round-robin among equals."""
+        serving, generating = self.serving, self.generating
+        k = min(range(len(serving)), key=lambda i: (generating(serving[i]), (i - self._rr) % len(serving)))
         self._rr += 1
-        load[serving[k]] += 1
         return serving[k]
 
-    def returned(self, eid: int, groups: int) -> None:
-        """``groups`` of engine ``eid``'s groups came back (done or failed)."""
-        if eid >= 0:
-            self.load[eid] -= groups
+    @property
+    def load(self) -> dict[int, int]:
+        """Member engine id -> its groups generating (asked of the scheduler, which counts them)."""
+        return {eid: self.generating(eid) for eid in [*self.serving, *sorted(self.draining), *self.joined]}
 
     # ---- the elastic pool ----------------------------------------------------------------------
     def scale_check(self, num_engines: int) -> str | None:
@@ -313,7 +314,6 @@ class EngineFleet:
         if eid in self.joined:
             self.joined.remove(eid)
         self.draining.discard(eid)
-        self.load.pop(eid, None)
         self._pings.pop(eid, None)
         if handle is not None:
             self.pool.discard(eid, handle)
@@ -339,7 +339,7 @@ class EngineFleet:
         if self.agent:  # groups run on the runners: ask them what still uses each draining engine
             leaving = [eid for eid in sorted(self.draining) if self.runners.in_use(eid) == 0]
         else:
-            leaving = [eid for eid in self.draining if self.load.get(eid, 0) == 0]
+            leaving = [eid for eid in self.draining if self.generating(eid) == 0]
         pool = self.pool
         dead = [eid for eid in pool.engine_ids if eid in self.died]  # members until this rebuild
         if not (self.joining or leaving or dead or rebuild):
@@ -356,13 +356,11 @@ class EngineFleet:
             self.state.remove_engine(eid)
             pool.retire(eid, handle, background=True)
             self.draining.discard(eid)
-            self.load.pop(eid, None)
             self.counts["engines_left"] += 1
         for eid in self.joining:
             self.state.record_event("engine_joined", f"engine {eid} joined the transport group "
                                     f"(epoch {self.job.transport_epoch}) with version {version}")
             self.join_version[eid] = version
-            self.load[eid] = 0
             self.counts["engines_joined"] += 1
         self.joined += list(self.joining)
         self.joining = {}

@@ -96,13 +96,15 @@ class Generation:
             self.dummy_served += 1
 
     def streams_of(self, eid: int) -> list[int]:
-        """The calls in flight to engine ``eid``, taken off the books: the gids they still owed."""
+        """The calls in flight to engine ``eid``, taken off the books: the gids they still owed (no
+        longer generating there, for the scheduler)."""
         out: list[int] = []
         for ref, pending in list(self.calls.items()):
             mine = [g for g in pending.values() if self.sched.inflight[g].engine == eid]
             if mine:  # a stream carries one engine's groups
                 del self.calls[ref]
                 out += mine
+        self.sched.off_engine(out)
         return out
 
     def take(self, ref) -> list[tuple[list[int], Any]]:

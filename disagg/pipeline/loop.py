@@ -63,7 +63,7 @@ class Pipeline:
         self.gen = Generation(job, self.sched, iter(source), encode, sampling, sampling_for,
                               self.runners if agent else None)
         self.fleet = EngineFleet(cfg, job, state, self.runners, agent, requeue=self.gen.requeue,
-                                 streams_of=self.gen.streams_of)
+                                 streams_of=self.gen.streams_of, generating=self.sched.generating_on)
         self.rewards = RewardDispatch(cfg, scorer, overlap_rewards)
         self.sync = SyncController(cfg, job, state, self.fleet)
         self.recorder = StepRecorder(agent)
@@ -273,8 +273,8 @@ class Pipeline:
 
         for gids, result in self.gen.take(ref):
             group = self.sched.inflight[gids[0]]
-            self.fleet.returned(group.engine, len(gids))
             if isinstance(result, BaseException):
+                self.sched.off_engine(gids)
                 if group.engine < 0:
                     if isinstance(result, ray.exceptions.RayActorError):
                         raise RolloutError(f"agent runner died while generating group {gids[0]}: "

@@ -29,6 +29,7 @@ class Group:
     result: GenResult | None = None
     samples: list[TrainSample] = field(default_factory=list)
     rewards: list[float] = field(default_factory=list)
+    generating: bool = True  # on its engine (or runner) until it comes back, its call fails or its engine dies
 
     @property
     def min_version(self) -> int:
@@ -57,6 +58,7 @@ class GroupScheduler:
         self.inflight: dict[int, Group] = {}  # generating or being scored
         self.ready: deque[Group] = deque()  # scored, waiting for a batch, in completion order
         self.counts: Counter = Counter()
+        self._on_engine: Counter = Counter()  # engine id -> its groups generating (``generating_on``)
 
     def capacity(self, engine_version: int, next_train_version: int, max_staleness: int) -> int:
         """How many new groups may be submitted now.
@@ -77,17 +79,44 @@ class GroupScheduler:
         return self.capacity(engine_version, next_train_version, max_staleness)
 
     def submitted(self, group: Group) -> None:
+        """``group`` goes to its engine (``engine`` < 0: an agent runner); a group generated again
+        replaces its earlier entry."""
+        old = self.inflight.get(group.gid)
+        if old is not None:
+            self._stopped(old)
         self.inflight[group.gid] = group
+        if group.engine >= 0:
+            self._on_engine[group.engine] += 1
+
+    def generating_on(self, engine: int) -> int:
+        """How many groups engine ``engine`` is generating now: the one count of it (the fleet places
+        groups and lets a draining engine leave by it; the recorder reports it)."""
+        return self._on_engine[engine]
+
+    def _stopped(self, group: Group) -> None:
+        if group.generating:
+            group.generating = False
+            if group.engine >= 0:
+                self._on_engine[group.engine] -= 1
 
     def generated(self, gid: int, result: GenResult) -> Group:
         """Group ``gid`` came back from its engine or runner (scored next)."""
         group = self.inflight[gid]
+        self._stopped(group)
         group.result = result
         return group
+
+    def off_engine(self, gids: list[int]) -> None:
+        """Groups whose call failed or whose engine died: no longer generating there (the caller
+        submits them again or drops them)."""
+        for gid in gids:
+            if gid in self.inflight:
+                self._stopped(self.inflight[gid])
 
     def finished(self, gid: int, samples: list[TrainSample] | None, rewards: list[float] | None = None) -> Group:
         """A group is done generating and scoring; ``samples=None`` means it was dropped (counted by the caller)."""
         group = self.inflight.pop(gid)
+        self._stopped(group)
         if samples:
             group.samples, group.rewards = samples, list(rewards or [])
             self.ready.append(group)

@@ -18,7 +18,8 @@ gives back the KV its earlier pieces computed (each full block's KV from the wei
 fed it, as in keep mode) and the new weights prefill only the last, partial block;
 each ``Completion.pieces`` says how much KV a piece took over.
 
-vLLM is reached through this module, ``vllm_transfer``, ``openai_server`` and
+vLLM is reached through this module (with its parts ``engine_sync``, the weight receive,
+and ``bench_peers``, the benchmarks' routes), ``vllm_transfer``, ``openai_server`` and
 ``tool_parsing``; every difference between vLLM releases lives in ``vllm_api``.
 """
 
@@ -33,10 +34,12 @@ from typing import Any
 
 from disagg.cluster import freeze_heap, pin_process
 from disagg.config import RolloutConfig, TransportConfig
-from disagg.errors import ChecksumError, EngineDeadError, RolloutError
+from disagg.errors import EngineDeadError, RolloutError
 from disagg.logs import await_logged, setup_logging
 from disagg.rollout import vllm_api
-from disagg.rollout.types import Completion, GenRequest, GenResult, SamplingSpec, SyncReport
+from disagg.rollout.bench_peers import EnginePeers
+from disagg.rollout.engine_sync import EngineSync
+from disagg.rollout.types import Completion, GenRequest, GenResult, SamplingSpec
 from disagg.storage import local_copy
 
 log = logging.getLogger("disagg.rollout")
@@ -64,8 +67,9 @@ def model_tensor_specs(model_path: str) -> tuple:
     return tuple(TensorSpec(n, tuple(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in model.named_parameters())
 
 
-class EngineActor:
-    """A vLLM engine behind a weights-loaded gate. Wrapped with ``ray.remote`` by the pool."""
+class EngineActor(EngineSync, EnginePeers):
+    """A vLLM engine behind a weights-loaded gate. Wrapped with ``ray.remote`` by the pool. Its weight
+    receive is ``EngineSync``'s (``rollout/engine_sync.py``); the benchmarks' routes ``EnginePeers``'."""
 
     def __init__(self, engine_id: int, model_path: str, cfg: RolloutConfig, coordinator: Any,
                  rpc_timeout_s: float, seed: int = 0, log_level: str = "INFO",
@@ -248,178 +252,6 @@ class EngineActor:
                     load=self.transport_cfg.load)
         await self._engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info))
 
-    async def receive_weights(self, policy_version: int, manifest: dict | None = None, digest: str | None = None,
-                              ack: bool = True, arm_id: int = 0, arm_timeout_s: float = 0.0) -> SyncReport:
-        """Take ``policy_version`` off the wire (concurrently with the trainer's send).
-
-        The manifest: ``manifest`` if given, else the one this engine holds when its layout digest is
-        ``digest``, else the coordinator's. New requests wait until the load is done; requests in
-        flight are frozen (vLLM's pause keep) or resubmitted, and continue on the new weights. An
-        engine with nothing in flight loads without pausing vLLM: a pause and resume cost two round
-        trips to the engine core, on every step's critical path. No KV the old weights computed is
-        reused: this actor's requests are salted by version, and vLLM's prefix cache is cleared when
-        requests through the OpenAI server (not salted) came since it last was. ``ack``: tell the
-        coordinator this engine serves the version (a driver in the coordinator's process acks from
-        the report instead, sparing a call). ``arm_id``: an armed receive, made before the trainer has
-        the version: the worker waits on the transport group, ready, until the trainer's push says go
-        (within ``arm_timeout_s``), so the sync then costs the wire and nothing of Ray's or vLLM's
-        dispatch; called off by the trainer, it returns a report with ``cancelled`` set.
-        """
-        t0 = time.perf_counter()
-        stamps = {"engine_in": time.time()}
-        phases: dict[str, float] = {}
-        self._not_loading.clear()  # before the first await: a request arriving from now on waits
-        try:
-            m, recv_s, stats = await self._load(policy_version, manifest, digest, phases, stamps, arm_id,
-                                                arm_timeout_s)
-        finally:
-            self._not_loading.set()
-        self._report_state("READY")
-        cancelled = str(stats.get("cancelled") or "")
-        if ack and self._coord is not None and not cancelled:
-            t1 = time.perf_counter()
-            await self._control_call(self._coord.ack_version, self.engine_id, policy_version, m.layout_digest())
-            phases["ack_s"] = time.perf_counter() - t1
-        waited = float(stats.get("armed_wait_s", 0.0))  # an armed receive's wait came before the announce
-        before_go = 0.0  # seconds of this call before the trainer's word (armed)
-        if waited:
-            # Everything up to the trainer's word happened before the announce: the manifest, the
-            # quiesce, the call into the worker and its set-up (armed_setup_s), then the wait; the
-            # sync's part of the update starts at the word.
-            go = float(stats.get("armed_go_unix_s", stamps["update_call"] + waited))
-            phases["armed_setup_s"] = max(0.0, phases.get("manifest_s", 0.0) + phases.get("quiesce_s", 0.0)
-                                          + go - stamps["update_call"] - waited)
-            phases["armed_wait_s"] = waited
-            phases["manifest_s"] = phases["quiesce_s"] = 0.0
-            phases["update_s"] = max(0.0, stamps["update_return"] - go)
-            before_go = max(0.0, go - stamps["engine_in"])
-            recv_s = phases["update_s"]
-        for key in ("load_s", "reload_init_s", "finalize_s"):  # the worker's own split of the update
-            if key in stats:
-                phases[f"worker_{key}"] = float(stats[key])
-        if "seconds" in stats:
-            phases["worker_receive_s"] = float(stats["seconds"])
-        for key in ("worker_in", "wire_start", "worker_out"):  # the worker's own clock readings
-            if f"{key}_unix_s" in stats:
-                stamps[key] = float(stats[f"{key}_unix_s"])
-        stamps["engine_out"] = time.time()
-        return SyncReport(self.engine_id, policy_version, int(stats.get("bytes", 0)), int(stats.get("num_buckets", 0)),
-                          int(stats.get("num_tensors", 0)), recv_s, time.perf_counter() - t0 - before_go, phases,
-                          m.layout_digest(), str(stats.get("copy_plan", "")), stamps, cancelled)
-
-    async def _manifest_for(self, policy_version: int, manifest: dict | None, digest: str | None):
-        from disagg.transport.manifest import Manifest
-
-        if manifest is not None:
-            self._manifest = Manifest.from_dict(manifest)
-        elif self._manifest is not None and digest == self._manifest.layout_digest():
-            self._manifest = self._manifest.with_version(policy_version)
-        elif self._coord is None:
-            raise RolloutError("receive_weights without a manifest needs a coordinator")
-        else:
-            self._manifest = await self._control_call(self._coord.get_manifest, policy_version)
-        return self._manifest
-
-    async def _load(self, policy_version: int, manifest: dict | None, digest: str | None, phases: dict[str, float],
-                    stamps: dict[str, float], arm_id: int = 0, arm_timeout_s: float = 0.0):
-        """``receive_weights`` behind the closed gate: (the manifest, seconds on the wire, the worker's
-        figures); the seconds of each phase go into ``phases``, the update call's clock readings
-        into ``stamps``."""
-        t = time.perf_counter()
-
-        def lap(name: str) -> None:
-            nonlocal t
-            now = time.perf_counter()
-            phases[name] = phases.get(name, 0.0) + now - t
-            t = now
-
-        m = await self._manifest_for(policy_version, manifest, digest)
-        lap("manifest_s")
-        self._report_state("SYNCING")
-        eng = self._engine
-        await self._await_submissions()
-        if self._mode == "resubmit" and self._live:
-            # Each aborted request ends with the tokens vLLM's front end holds, all sampled by the
-            # version being replaced; its task continues it on the new weights (_run_sample).
-            rids = list(self._live)
-            self._aborted_by_sync.update(rids)
-            await eng.abort(rids)
-        # Requests still in flight freeze (keep mode; in resubmit mode only the OpenAI server's,
-        # whose responses carry version bounds). AsyncLLM.pause_generation is this call plus a
-        # 20 ms sleep that only lets outputs of aborted or drained requests arrive first (vLLM:
-        # "not required for correctness"); the sleep was a fifth of a long-tail step's time.
-        if not self._paused and (self.stats["http_inflight"] or vllm_api.num_unfinished_requests(eng)
-                                 or (self._mode == "keep" and self._active)):
-            await eng.engine_core.pause_scheduler_async(mode="keep", clear_cache=False)
-            self._paused = True
-            self.stats["pauses"] += 1
-        lap("quiesce_s")  # requests added, aborted (resubmit) or frozen (keep)
-        # The worker gets the manifest only when its layout is new to it.
-        key = m.layout_digest()
-        info = ({"digest": key, "policy_version": policy_version} if key == self._worker_layout
-                else {"manifest": m.to_dict()})
-        if arm_id:
-            info.update(arm_id=arm_id, arm_timeout_s=arm_timeout_s)
-        self._worker_layout = None  # until this update went through
-        try:
-            # The cache reset, where one is needed, is queued in the engine core ahead of the update,
-            # which blocks its loop: no step runs between the two (nothing is in flight, or it is
-            # paused), so no block the old weights computed survives.
-            called = stamps["update_call"] = time.time()
-
-            async def reset_cache() -> bool:
-                # Only a request through the OpenAI server can meet blocks another version computed:
-                # this actor's own requests are salted by version. vLLM's reset walks every KV block
-                # in Python, whatever the cache holds (its cost grows with the pool, not with what is
-                # cached), so it runs only when such a request came since the last one.
-                if self.stats["http_requests"] == self._http_at_reset:
-                    return True
-                self._http_at_reset = self.stats["http_requests"]
-                out = await eng.reset_prefix_cache()
-                phases["reset_cache_s"] = time.time() - called  # beside the update, not after it
-                return out
-
-            reset, stats = await asyncio.gather(reset_cache(), vllm_api.sync_weights(eng, info, policy_version))
-            returned = stamps["update_return"] = time.time()
-            recv_s = time.perf_counter() - t
-            lap("update_s")
-            # The update call's ends, as the worker stamped them: getting into the worker (the engine
-            # core's loop picking the call up) and the answer coming back.
-            if "worker_in_unix_s" in stats:
-                phases["rpc_in_s"] = max(0.0, stats["worker_in_unix_s"] - called)
-                phases["rpc_out_s"] = max(0.0, returned - stats["worker_out_unix_s"])
-            if reset is False:  # blocks still held (requests frozen in keep mode)
-                log.info("version %d: vLLM kept its prefix cache (blocks in use); requests are salted by "
-                         "version, so none reuses another version's KV", policy_version)
-        except BaseException as e:
-            rejected = (await self.get_transfer_stats()).get("rejected") if self._engine is not None else None
-            if rejected and self._weights_loaded.is_set():
-                # Checksums failed before anything was loaded: the previous version is intact.
-                self._worker_layout = key
-                await self._resume()
-                await self._report_state("READY", f"rejected version {policy_version}: {rejected}"[:500])
-                raise ChecksumError(f"engine {self.engine_id}: {rejected}") from e
-            # The model may hold part of a version: close the gate and stay paused, so
-            # neither new nor frozen requests run until a sync completes.
-            self._weights_loaded.clear()
-            await self._report_state("WAITING_FOR_WEIGHTS", f"sync of version {policy_version} failed: {e}"[:500])
-            raise
-        self._worker_layout = key
-        if stats.get("cancelled"):  # an armed receive called off before any byte moved: nothing changed
-            await self._resume()
-            lap("resume_s")
-            return m, recv_s, stats
-        self.version = policy_version  # before resuming: every token from here on is this version's
-        self._weights_loaded.set()
-        await self._resume()
-        lap("resume_s")
-        return m, recv_s, stats
-
-    async def _resume(self) -> None:
-        if self._paused:
-            await self._engine.resume_generation()
-            self._paused = False
-
     async def ping(self) -> dict[str, Any]:
         """The driver's health check: vLLM's own (raises once its engine core died) and what it serves."""
         if self._engine is None:
@@ -560,10 +392,11 @@ class EngineActor:
         prefix cache then holds the full blocks of the prompt and tokens so far as the weights that
         fed them computed them, and the new weights prefill only the rest (vLLM recomputes at least
         the last token). That is keep mode's rule for the KV of every full block (the partial one is
-        the new weights'), at the cost of a partial block per sync instead of the whole context. A piece that made no token starts a fresh chain on the
-        new weights (its own prefill may have stopped half way). ``Completion.pieces``: for each
-        continuation, (the response tokens it started from, the prompt + response positions whose KV
-        it took over; 0 for a fresh chain)."""
+        the new weights'), at the cost of a partial block per sync instead of the whole context. A
+        piece that made no token starts a fresh chain on the new weights (its own prefill may have
+        stopped half way). ``Completion.pieces``: for each continuation, (the response tokens it
+        started from, the prompt + response positions whose KV it took over; 0 for a fresh chain, and
+        for a piece aborted before vLLM scheduled it)."""
         s = req.sampling
         ids: list[int] = []
         logprobs: list[float] = []
@@ -579,13 +412,14 @@ class EngineActor:
             seed = None if s.seed is None else s.seed + 7919 * index + piece
             out, version = await self._run(rid, list(req.prompt_ids) + ids, self._params(s, 1, budget, seed),
                                            f"weights (request {rid})", salt=chain)
+            (o,) = out.outputs
+            new = list(o.token_ids)
             if piece:
                 kept = vllm_api.cached_tokens(out) if chain is not None else 0
                 pieces.append((len(ids), kept))
-                self.stats["resubmit_kv_kept_tokens"] += kept
-                self.stats["resubmit_prefill_tokens"] += len(req.prompt_ids) + len(ids) - kept
-            (o,) = out.outputs
-            new = list(o.token_ids)
+                if new:  # its prefill completed (one aborted before a token may not have been scheduled at all)
+                    self.stats["resubmit_kv_kept_tokens"] += kept
+                    self.stats["resubmit_prefill_tokens"] += len(req.prompt_ids) + len(ids) - kept
             labels = vllm_api.token_versions(rid, o, len(new))
             if labels is not None and any(v != version for v in labels):  # vLLM's own labels, where it has them
                 raise RolloutError(f"request {rid}: served as version {version} but vLLM labels its tokens {labels}")
@@ -601,56 +435,6 @@ class EngineActor:
                 continue
             self._aborted_by_sync.discard(rid)
             return Completion(ids, logprobs, str(o.finish_reason) if o.finish_reason else "", versions, pieces=pieces)
-
-    async def set_load_mode(self, mode: str) -> str:
-        """``disagg bench vllm-sync``: load the next versions with ``mode`` (``transport.load``)."""
-        return (await self._engine.collective_rpc("disagg_set_load_mode", args=(mode,)))[0]
-
-    async def param_checksums(self) -> dict[str, list[int]]:
-        """Worker 0's bit checksum of each vLLM parameter (``disagg_param_checksums``)."""
-        return (await self._engine.collective_rpc("disagg_param_checksums"))[0]
-
-    async def peer_init(self, init_info: dict[str, Any]) -> None:
-        """``disagg bench vllm-sync --peer vllm-nccl``: vLLM's own NCCL engine joins a group with the trainer."""
-        await self._engine.collective_rpc("disagg_peer_init", args=(init_info,))
-
-    async def peer_use(self, name: str) -> None:
-        """The weight-transfer engine vLLM's start / update / finish go to from now on: "vllm-nccl" (the
-        peer's block) or "disagg"."""
-        await self._engine.collective_rpc("disagg_peer_use", args=(name,))
-
-    async def peer_receive(self, update_info: dict[str, Any]) -> None:
-        """A weight update through vLLM's own NCCL engine (after ``peer_use("vllm-nccl")``), as its users
-        make one: ``AsyncLLM``'s start, update and finish (each a call into the worker; vLLM's layerwise
-        reload)."""
-        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
-
-        await self._engine.start_weight_update()
-        await self._engine.update_weights(WeightTransferUpdateRequest(update_info=update_info))
-        await self._engine.finish_weight_update()
-
-    async def ckpt_init(self, host: str, port: int, rank: int, world_size: int) -> None:
-        """``disagg bench vllm-sync --peer checkpoint-engine``: a ParameterServer rank in this actor's process,
-        on the engine's GPU (``disagg.peers.ckpt_engine``); its rendezvous runs off the event loop."""
-        from disagg.peers.ckpt_engine import ParameterServerRank
-
-        self._ckpt = await asyncio.to_thread(ParameterServerRank, host, port, rank, world_size,
-                                             self.transport_cfg.timeout_s)
-
-    async def ckpt_receive(self, name: str) -> dict[str, float]:
-        """One update of checkpoint ``name``: the rank's gather and update on a thread; the update, once its
-        socket is bound, has vLLM's worker take the buckets (``disagg_ckpt_receive``). The figures."""
-        loop, timeout_s = asyncio.get_running_loop(), self.transport_cfg.timeout_s
-
-        def call_worker(handles: dict[str, str]) -> dict[str, float]:
-            rpc = self._engine.collective_rpc("disagg_ckpt_receive", args=(handles, timeout_s))
-            return asyncio.run_coroutine_threadsafe(rpc, loop).result(timeout_s)[0]
-
-        return await asyncio.to_thread(self._ckpt.update, name, call_worker)
-
-    async def raw_receive(self, nbytes: int, repeats: int) -> list[float]:
-        """``disagg bench vllm-sync``: the worker's side of ``repeats`` raw broadcasts of ``nbytes``."""
-        return (await self._engine.collective_rpc("disagg_raw_receive", args=(nbytes, repeats)))[0]
 
     async def get_transfer_stats(self) -> dict[str, Any]:
         """What the receiver in the model's process counted for the last sync."""

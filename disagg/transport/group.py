@@ -342,6 +342,34 @@ class TransportGroup:
             pg.shutdown()
 
 
+class StoreSignals:
+    """Signals into transport groups' stores from a process that is no member of them (the driver):
+    one client connection to each group's store, keys under the group's prefix as
+    ``TransportGroup.signal`` sets them, so ``await_signal`` on a member returns the value. Made once
+    per group epoch; a set is one round trip to the store (its host's process: the trainer rank)."""
+
+    def __init__(self, endpoints: list[tuple[str, int, str]], timeout_s: float) -> None:
+        self._stores = []
+        for host, port, name in endpoints:
+            try:
+                store = TCPStore(host, port, is_master=False, wait_for_workers=False,
+                                 timeout=timedelta(seconds=timeout_s))
+            except RuntimeError as e:
+                raise TransportError(f"group {name!r}: cannot reach the store at {host}:{port} ({_brief(e)})") from e
+            self._stores.append((name, PrefixStore(name, store)))
+
+    def signal(self, key: str, value: str) -> list[str]:
+        """Set ``key`` to ``value`` in every group's store; what failed, one line per group (a store
+        that is gone: its host process died)."""
+        failed = []
+        for name, store in self._stores:
+            try:
+                store.set(key, value)
+            except RuntimeError as e:
+                failed.append(f"group {name!r}: {_brief(e)}")
+        return failed
+
+
 class PendingOp:
     """A started collective. ``wait()`` blocks with the group's timeout and counts its bytes once.
 

@@ -338,6 +338,12 @@ def arm_key(arm_id: int) -> str:
     return f"arm/{arm_id}"
 
 
+def go_key(arm_id: int) -> str:
+    """The store key an armed push waits on and the driver sets (``ARM_SEND`` after it announced the
+    version, or ``ARM_CANCEL``): the trainer's side of an armed sync (``Job.arm_sync``)."""
+    return f"go/{arm_id}"
+
+
 def armed_go(arm_id: int, timeout_s: float, what: str) -> Callable[[TransportGroup], None]:
     """An armed receive's ``go`` (``receive_weights``): wait in the group's store until the sender says
     it is sending (its header follows at once); ``SyncCancelled`` if it calls the receive off."""

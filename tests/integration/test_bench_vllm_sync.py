@@ -101,8 +101,10 @@ def test_bench_vllm_sync_times_a_raw_broadcast_and_each_syncs_phases(tmp_path):
     assert list(m["timeline"]) == [k for k in TIMELINE if k in m["timeline"]] and m["timeline"]["done"] == m["seconds"]
     assert "raw broadcast, same group" in proc.stdout and "load=layerwise" in proc.stdout and "wire_start" in proc.stdout
     armed = r["modes"]["layerwise, armed"]
-    assert 0 < armed["push_to_serving_s"] < armed["seconds"]
-    assert "load=layerwise, armed" in proc.stdout
+    assert 0 < armed["push_to_serving_s"] < armed["announce_to_serving_s"] < armed["seconds"]
+    assert armed["raw_vs_serving"] == pytest.approx(r["raw_s"] / armed["announce_to_serving_s"])
+    assert armed["announce_to_serving_s"] == armed["timeline"]["worker_out"]
+    assert "load=layerwise, armed" in proc.stdout and "announce -> the last engine serving" in proc.stdout
     # pushed from a snapshot the trainer took before (not in the sync): the wire's bytes, laid out as its buckets
     assert len(r["syncs"]["layerwise, from a snapshot"]) == 2
     assert r["snapshot"]["bytes"] == r["bytes"] and r["snapshot"]["seconds"] > 0

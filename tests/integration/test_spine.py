@@ -211,8 +211,10 @@ def _train_one_step(job, tok, seed):
 
 def test_an_armed_receive_waits_for_the_trainer_and_a_called_off_one_loads_nothing(job, tok):
     """Armed (transport.arm): the engine's receive is on the group before the trainer has the version,
-    returns only when the trainer's push wakes it, and loads exactly the trainer's weights; its wait
-    is not counted in the sync. Called off, the engine loads nothing and keeps serving its version."""
+    and so is the trainer's push (overlap_push: on its transport thread), which sends only at the
+    driver's word after the announce; the engine returns only when that push wakes it, and loads
+    exactly the trainer's weights; neither wait is counted in the sync. Called off, the push sends
+    nothing, the engine loads nothing and keeps serving its version."""
     import time
 
     import ray
@@ -221,14 +223,18 @@ def test_an_armed_receive_waits_for_the_trainer_and_a_called_off_one_loads_nothi
     _train_one_step(job, tok, seed=11)
     v = state.latest_version() + 1
     job.arm_sync(v, timeout_s=60)
-    refs = list(job.armed.refs)
-    ready, _ = ray.wait(refs, timeout=1.5)
-    assert not ready, "an armed receive returned before the trainer pushed anything"
+    refs, pushes = list(job.armed.refs), list(job.armed.pushes)
+    assert len(pushes) == 1, "the trainer's push was not armed beside the engine's receive"
+    ready, _ = ray.wait(refs + pushes, timeout=1.5)
+    assert not ready, "an armed receive or push returned before the driver's word"
     # (ping, not get_version: a call into vLLM's engine core waits behind the armed receive)
     assert ray.get(job.rollout.engines[0].ping.remote(), timeout=10)["policy_version"] == v - 1
     sync = job.sync_weights(v, trainer_step=v - 1)
     assert job.armed is None and state.committed_version() == v
     assert sync.engine_phases["armed_wait_s"] > 1.0 > sync.seconds  # the wait came before the announce
+    pushed = ray.get(pushes[0], timeout=10)
+    assert pushed["go_wait_s"] > 1.0 > pushed["seconds"] and pushed["bytes"] == sync.bytes > 0
+    assert sync.timeline["trainer_in"] >= 0  # its push started after the announce, at the word
     _, vllm_ids, hf, vlp, hflp = _vllm_vs_hf(job, tok, "armed")
     assert vllm_ids == hf
     for a, b in zip(vlp, hflp):
@@ -236,13 +242,14 @@ def test_an_armed_receive_waits_for_the_trainer_and_a_called_off_one_loads_nothi
 
     _train_one_step(job, tok, seed=12)  # the trainer moves on; its push of v + 1 is called off
     job.arm_sync(v + 1, timeout_s=60)
-    off = list(job.armed.refs)
+    off, off_push = list(job.armed.refs), list(job.armed.pushes)
     time.sleep(0.5)  # on the group
     t0 = time.monotonic()
     job.disarm()
     assert time.monotonic() - t0 < 10
     report = ray.get(off[0], timeout=10)
     assert "called off" in report.cancelled and report.bytes_received == 0
+    assert ray.get(off_push[0], timeout=10)["cancelled"] and ray.get(off_push[0])["bytes"] == 0
     res, _, _, vlp_off, hflp_off = _vllm_vs_hf(job, tok, "disarmed")
     assert all(r.min_version == v for r in res)  # still version v, whole
     for a, b in zip(vlp_off, vlp):

@@ -92,7 +92,8 @@ class _State:
 
 def _fleet(n=2, target=None, **rollout):
     pool, state = _Pool(n), _State(target)
-    job = SimpleNamespace(rollout=pool, transport_epoch=1, changes=[])
+    # the scheduler counts each engine's groups generating (the fleet asks it)
+    job = SimpleNamespace(rollout=pool, transport_epoch=1, changes=[], sched=GroupScheduler(4, 64))
 
     def change_engines(members):  # Job.change_engines: the members become the pool's engines
         job.changes.append([eid for eid, _ in members])
@@ -102,7 +103,7 @@ def _fleet(n=2, target=None, **rollout):
     requeued: list[int] = []
     streams = {0: [10, 11], 1: [12]}  # gids still owed by each engine's calls
     fleet = EngineFleet(_cfg(**rollout), job, state, AgentRunners(_cfg()), requeue=requeued.extend,
-                        streams_of=lambda eid: streams.pop(eid, []))
+                        streams_of=lambda eid: streams.pop(eid, []), generating=job.sched.generating_on)
     fleet.start()
     return fleet, pool, state, job, requeued
 
@@ -157,11 +158,37 @@ def test_recorder_splits_the_trainers_time_into_waiting_for_a_batch_and_blocked_
 
 
 # ---- the engine fleet ------------------------------------------------------------------------
+def _submit(fleet, sched, gid: int) -> int:
+    """What ``Generation`` does with each group: place it, then submit it there."""
+    eid = fleet.place()
+    sched.submitted(Group(gid, {}, (1,), eid, 0, 0.0))
+    return eid
+
+
 def test_fleet_places_each_group_on_the_least_loaded_engine_round_robin_among_equals() -> None:
-    fleet, *_ = _fleet(n=3)
-    assert [fleet.place() for _ in range(6)] == [0, 1, 2, 0, 1, 2]
-    fleet.returned(1, 2)
-    assert fleet.place() == 1 and fleet.place() == 1 and fleet.load == {0: 2, 1: 2, 2: 2}
+    fleet, _, _, job, _ = _fleet(n=3)
+    assert [_submit(fleet, job.sched, gid) for gid in range(6)] == [0, 1, 2, 0, 1, 2]
+    job.sched.generated(1, SimpleNamespace())  # engine 1's two groups came back
+    job.sched.generated(4, SimpleNamespace())
+    assert _submit(fleet, job.sched, 6) == 1 and _submit(fleet, job.sched, 7) == 1
+    assert fleet.load == {0: 2, 1: 2, 2: 2}
+
+
+def test_the_scheduler_counts_each_engines_groups_generating_until_back_failed_or_moved() -> None:
+    sched = GroupScheduler(batch_groups=4, max_inflight=8)
+    for gid, eid in ((0, 0), (1, 0), (2, 1), (3, -1)):  # -1: an agent runner's group, no engine's
+        sched.submitted(Group(gid, {}, (1,), eid, 0, 0.0))
+    assert [sched.generating_on(e) for e in (0, 1, -1)] == [2, 1, 0]
+    sched.generated(0, SimpleNamespace())  # back: scored next, no longer on its engine
+    sched.generated(0, SimpleNamespace())  # told twice: counted once
+    sched.off_engine([2, 99])  # its call failed (99: not in flight)
+    assert [sched.generating_on(e) for e in (0, 1)] == [1, 0] and sched.inflight[2].engine == 1
+    sched.submitted(Group(2, {}, (1,), 0, 1, 0.0))  # generated again, on engine 0
+    sched.submitted(Group(1, {}, (1,), 1, 1, 0.0))  # and one moved while still counted on engine 0
+    assert [sched.generating_on(e) for e in (0, 1)] == [1, 1]
+    sched.finished(2, None)  # dropped while generating
+    sched.finished(0, None)  # dropped after it came back: already off its engine
+    assert [sched.generating_on(e) for e in (0, 1)] == [0, 1]
 
 
 def test_fleet_death_requeues_the_engines_groups_and_starts_a_replacement() -> None:
@@ -202,13 +229,14 @@ def test_fleet_membership_changes_at_a_sync_and_joined_engines_serve_once_it_lan
     fleet.apply_scale(more_steps=True)  # engine 2 drains
     eid = 3
     fleet.joining[eid] = _Handle(eid, pool.log)
-    fleet.load[2] = 1  # still has a group: it stays a member
+    job.sched.submitted(Group(9, {}, (1,), 2, 3, 0.0))  # still has a group: it stays a member
     fleet.change_at_sync(version=4, rebuild=False)
     assert job.changes == [[0, 1, 2, 3]] and fleet.joined == [3] and fleet.join_version == {3: 4}
     assert 3 not in fleet.serving and fleet.draining == {2}
     fleet.synced(4)
     assert fleet.serving == [0, 1, 3] and not fleet.joined
-    fleet.load[2] = 0  # its group came back: it leaves at the next sync
+    assert fleet.load == {0: 0, 1: 0, 3: 0, 2: 1}
+    job.sched.generated(9, SimpleNamespace())  # its group came back: it leaves at the next sync
     fleet.change_at_sync(version=5, rebuild=False)
     assert job.changes[-1] == [0, 1, 3] and state.removed == [2] and ("retire", 2) in pool.log
     assert fleet.counts["engines_left"] == 1 and fleet.counts["engines_joined"] == 1
@@ -403,18 +431,20 @@ class _Stream:
 
 
 def test_generation_sends_requeued_groups_first_and_one_call_per_engine() -> None:
-    fleet, pool, *_ = _fleet(n=2)
+    fleet, pool, _, job, _ = _fleet(n=2)
     calls: list = []
     pool.engines = [SimpleNamespace(generate_stream=_Stream(calls, e)) for e in pool.engine_ids]
-    sched = GroupScheduler(batch_groups=4, max_inflight=8)
+    sched = job.sched
     rows = iter([SimpleNamespace(row={"i": i}, prompt=f"p{i}", index=i) for i in range(10)])
     gen = Generation(SimpleNamespace(rollout=pool), sched, rows, lambda text: (len(text),), SamplingSpec(max_tokens=4),
                      None)
     gen.submit(fleet, engine_version=1, new=3)
     assert calls == [(0, ["g0", "g2"]), (1, ["g1"])] and gen.inflight() == 3 and gen.next_gid == 3
     stream_of_0 = next(ref for ref, owed in gen.calls.items() if "g0" in owed)
+    assert fleet.load == {0: 2, 1: 1}
     gen.requeue(gen.streams_of(0))  # engine 0 died: its groups come back first
     assert list(gen.again) == [0, 2] and stream_of_0 not in gen.calls and gen.counts["groups_requeued"] == 2
+    assert sched.generating_on(0) == 0  # no longer generating there
     fleet.serving.remove(0)
     gen.submit(fleet, engine_version=2, new=1)
     assert calls[-1][0] == 1 and calls[-1][1][:2] == ["g0-again0", "g2-again1"] and calls[-1][1][2] == "g3"

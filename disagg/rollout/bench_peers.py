@@ -1,0 +1,63 @@
+"""The engine actor's side of the benchmarks' other routes into vLLM: a raw broadcast over its
+transport group, the load mode, parameter checksums, vLLM's own NCCL weight-transfer engine and
+checkpoint-engine (``disagg bench vllm-sync``, the GPU tests). A part of ``EngineActor``; never on a
+training run's path."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+
+class EnginePeers:
+    """``EngineActor``'s benchmark and inspection routes into vLLM's worker."""
+
+    async def set_load_mode(self, mode: str) -> str:
+        """``disagg bench vllm-sync``: load the next versions with ``mode`` (``transport.load``)."""
+        return (await self._engine.collective_rpc("disagg_set_load_mode", args=(mode,)))[0]
+
+    async def param_checksums(self) -> dict[str, list[int]]:
+        """Worker 0's bit checksum of each vLLM parameter (``disagg_param_checksums``)."""
+        return (await self._engine.collective_rpc("disagg_param_checksums"))[0]
+
+    async def peer_init(self, init_info: dict[str, Any]) -> None:
+        """``disagg bench vllm-sync --peer vllm-nccl``: vLLM's own NCCL engine joins a group with the trainer."""
+        await self._engine.collective_rpc("disagg_peer_init", args=(init_info,))
+
+    async def peer_use(self, name: str) -> None:
+        """The weight-transfer engine vLLM's start / update / finish go to from now on: "vllm-nccl" (the
+        peer's block) or "disagg"."""
+        await self._engine.collective_rpc("disagg_peer_use", args=(name,))
+
+    async def peer_receive(self, update_info: dict[str, Any]) -> None:
+        """A weight update through vLLM's own NCCL engine (after ``peer_use("vllm-nccl")``), as its users
+        make one: ``AsyncLLM``'s start, update and finish (each a call into the worker; vLLM's layerwise
+        reload)."""
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        await self._engine.start_weight_update()
+        await self._engine.update_weights(WeightTransferUpdateRequest(update_info=update_info))
+        await self._engine.finish_weight_update()
+
+    async def ckpt_init(self, host: str, port: int, rank: int, world_size: int) -> None:
+        """``disagg bench vllm-sync --peer checkpoint-engine``: a ParameterServer rank in this actor's process,
+        on the engine's GPU (``disagg.peers.ckpt_engine``); its rendezvous runs off the event loop."""
+        from disagg.peers.ckpt_engine import ParameterServerRank
+
+        self._ckpt = await asyncio.to_thread(ParameterServerRank, host, port, rank, world_size,
+                                             self.transport_cfg.timeout_s)
+
+    async def ckpt_receive(self, name: str) -> dict[str, float]:
+        """One update of checkpoint ``name``: the rank's gather and update on a thread; the update, once its
+        socket is bound, has vLLM's worker take the buckets (``disagg_ckpt_receive``). The figures."""
+        loop, timeout_s = asyncio.get_running_loop(), self.transport_cfg.timeout_s
+
+        def call_worker(handles: dict[str, str]) -> dict[str, float]:
+            rpc = self._engine.collective_rpc("disagg_ckpt_receive", args=(handles, timeout_s))
+            return asyncio.run_coroutine_threadsafe(rpc, loop).result(timeout_s)[0]
+
+        return await asyncio.to_thread(self._ckpt.update, name, call_worker)
+
+    async def raw_receive(self, nbytes: int, repeats: int) -> list[float]:
+        """``disagg bench vllm-sync``: the worker's side of ``repeats`` raw broadcasts of ``nbytes``."""
+        return (await self._engine.collective_rpc("disagg_raw_receive", args=(nbytes, repeats)))[0]

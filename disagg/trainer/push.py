@@ -1,0 +1,171 @@
+"""The trainer worker's side of the weight sync, one version at a time and top-down: its transport
+group (rank 0 of it, hosting the group's store), the manifest it sends (planned once), the
+snapshots a train step takes for an overlapped push, and the push itself (``push_weights``:
+armed or dispatched, from the live parameters or a snapshot). A part of ``TrainerWorker``, which
+holds the model, the device and the transport config it reads."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any
+
+import torch
+
+
+class TrainerPush:
+    """``TrainerWorker``'s weight push (its transport group, manifests, snapshots, pushes)."""
+
+    def init_transport(self, *, host: str, port: int, world_size: int, backend: str, timeout_s: float,
+                       group_name: str) -> None:
+        """Join this rank's source group as its rank 0 (hosting its TCPStore)."""
+        from disagg.transport.group import create_group
+        from disagg.transport.sender import WeightSender
+
+        if self.group is not None:
+            self.group.destroy()
+        self.group = create_group(host=host, port=port, rank=0, world_size=world_size, backend=backend,
+                                  timeout_s=timeout_s, group_name=group_name, device=self.device)
+        # Packed where the parameters live: over gloo from a GPU the buckets leave it whole.
+        self.sender = WeightSender(self.group, 0, self.transport_cfg.num_buffers, self.transport_cfg.verify,
+                                   device=self.device)
+
+    def manifest(self, policy_version: int) -> dict:
+        """The full-tensor manifest of this model at ``policy_version`` (layout only; no collective)."""
+        return self._layout().with_version(policy_version).to_dict()
+
+    def _layout(self):
+        """The full-tensor manifest, planned at the first call (version 0; its layout never changes)."""
+        from disagg.transport.sync import model_manifest
+
+        if self._manifest is None:
+            self._manifest = model_manifest(self.model, self.transport_cfg.bucket_bytes, 0, self.transport_cfg.dtype)
+        return self._manifest
+
+    def _take_snapshot(self, policy_version: int):
+        """The parameters copied as ``policy_version``, laid out as this rank's push sends them."""
+        return self._snapshots.take(policy_version, self._local_params(), self._flats, self._push_layout().buckets)
+
+    def _push_layout(self):
+        """The manifest this rank's pushes send (its shards' under source=shards): a snapshot is laid
+        out as its buckets, so that the push sends views of it."""
+        from disagg.transport.sync import source_manifests
+
+        if self._push_manifest is None:
+            full = self._layout()
+            self._push_manifest = (source_manifests(full, self.world_size)[self.rank]
+                                   if self.transport_cfg.source == "shards" else full)
+        return self._push_manifest
+
+    def announce(self, coordinator, policy_version: int, trainer_step: int, timeout_s: float) -> str:
+        """Tell the coordinator (gRPC) that ``policy_version`` exists, with its manifest; returns its digest.
+        ``coordinator``: a CoordinatorClient (address, token, TLS root) or "host:port"."""
+        from disagg.control.client import CoordinatorClient
+        from disagg.transport.manifest import Manifest
+
+        if self._coord is None or self._coord.address != getattr(coordinator, "address", coordinator):
+            self._coord = (coordinator if isinstance(coordinator, CoordinatorClient)
+                           else CoordinatorClient(coordinator, timeout_s=timeout_s))
+        m = Manifest.from_dict(self.manifest(policy_version))
+        self._coord.announce_version(m, trainer_step)
+        return m.layout_digest()
+
+    def push_weights(self, policy_version: int, from_snapshot: bool = False, arm_id: int = 0,
+                     go_timeout_s: float | None = None) -> dict[str, Any]:
+        """Send the current parameters as ``policy_version``; every rank must call this
+        (gather mode: the full-tensor gathers are collectives over the trainer ranks).
+        ``arm_id``: the engines wait on the group in an armed receive; this wakes them first.
+
+        ``from_snapshot``: send the copy the train step that made ``policy_version`` took
+        instead; this runs on the actor's ``transport`` thread while the next step trains
+        (not with ``source=gather`` over several ranks, whose gathers are collectives).
+
+        ``go_timeout_s``: an armed push (``Job.arm_sync``), called while the step that makes the
+        version still trains: it sets up, then waits in the group's store for the driver's word
+        (``go_key``), at most that long, and sends the moment it comes, with no Ray call between the
+        announce and the wire. Called off instead, it calls off the engines' receives too and returns
+        ``cancelled``; its wait is ``go_wait_s``, not part of the push.
+        """
+        from disagg.transport.sync import ARM_SEND, arm_key, go_key, send_model
+
+        m = self._layout().with_version(policy_version)
+        if not from_snapshot and self._params is None:  # parameters are updated in place from here on
+            self._params = dict(self.model.named_parameters())
+        out: dict[str, Any] = {"rank": self.rank}
+        if go_timeout_s is not None and self.group is not None:
+            t_wait = time.perf_counter()
+            try:
+                said = self.group.await_signal(go_key(arm_id), go_timeout_s, f"the driver's go for version "
+                                               f"{policy_version}")
+            except BaseException:
+                with contextlib.suppress(Exception):  # the engines need not wait out their own timeouts
+                    self.disarm(arm_id)
+                raise
+            out["go_wait_s"] = time.perf_counter() - t_wait
+            if said != ARM_SEND:
+                self.disarm(arm_id)
+                return {**out, "cancelled": said, "bytes": 0, "num_buckets": 0, "seconds": 0.0}
+        t0 = time.perf_counter()
+        wall0 = time.time()
+
+        def send(tensors: dict[str, torch.Tensor]):
+            return send_model(self.group, self.model, m, source=self.transport_cfg.source, trainer_rank=self.rank,
+                              num_trainer_ranks=self.world_size, num_buffers=self.transport_cfg.num_buffers,
+                              verify=self.transport_cfg.verify, sender=self.sender, params=tensors)
+
+        if arm_id and self.group is not None:
+            self.group.signal(arm_key(arm_id), ARM_SEND)  # the header follows at once
+        if from_snapshot:
+            stats = self._send_snapshot(policy_version, send)
+            out["snapshot"] = True
+        else:
+            if self.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(self.device)
+                base = torch.cuda.memory_allocated(self.device)
+            stats = send(self._params)
+            if self.device.type == "cuda":
+                out["peak_extra_bytes"] = torch.cuda.max_memory_allocated(self.device) - base
+        out.update(seconds=time.perf_counter() - t0, bytes=0, num_buckets=0)
+        if stats is not None:
+            out.update(bytes=stats.bytes, send_s=stats.seconds, num_buckets=stats.num_buckets,
+                       group_bytes_sent=self.group.bytes_sent)
+        out.update(trainer_in_unix_s=wall0, trainer_out_unix_s=time.time())
+        self._timeline.append(("push", policy_version, wall0, out["trainer_out_unix_s"]))
+        return out
+
+    def take_snapshot(self, policy_version: int) -> dict[str, float]:
+        """Copy the parameters as ``policy_version`` for a push from the snapshot, as a train step with
+        ``snapshot_version`` ends (benchmarks: a push of staleness >= 1 without the step)."""
+        t0 = time.perf_counter()
+        snap = self._take_snapshot(policy_version)
+        if snap.event is not None:
+            snap.event.synchronize()
+        return {"seconds": time.perf_counter() - t0, "bytes": snap.nbytes}
+
+    def disarm(self, arm_id: int) -> None:
+        """Call off the engines' armed receive ``arm_id``: they return without receiving anything."""
+        from disagg.transport.sync import ARM_CANCEL, arm_key
+
+        if self.group is not None:
+            self.group.signal(arm_key(arm_id), ARM_CANCEL)
+
+    def _send_snapshot(self, policy_version: int, send):
+        """``send`` the snapshot of ``policy_version``, holding it so no train step refills it meanwhile
+        (CUDA: on the push stream, after the copy)."""
+        from disagg.errors import TransportError
+
+        if self.transport_cfg.source == "gather" and self.world_size > 1:
+            raise ValueError("push_weights(from_snapshot=True) needs transport.source=shards or one trainer worker "
+                             f"(source={self.transport_cfg.source!r}, {self.world_size} workers)")
+        snap = self._snapshots.get(policy_version)
+        with snap.lock:
+            if snap.version != policy_version:  # refilled between the lookup and the lock
+                raise TransportError(f"the snapshot of policy version {policy_version} was replaced by "
+                                     f"{snap.version} before its push")
+            if snap.event is None:
+                return send(snap.tensors)
+            if self._push_stream is None:
+                self._push_stream = torch.cuda.Stream(self.device)
+            self._push_stream.wait_event(snap.event)  # the copy is done before any byte leaves
+            with torch.cuda.stream(self._push_stream):
+                return send(snap.tensors)
