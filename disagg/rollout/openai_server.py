@@ -203,11 +203,11 @@ async def start_openai_server(engine, *, model_path: str, served_model_name: str
     """
     import uvicorn
 
-    from disagg.rollout.vllm_api import openai_app_builders, tool_parser
+    from disagg.rollout.vllm_api import openai_app_builders, tool_parser_class
 
     build_app, init_app_state, make_arg_parser, FlexibleArgumentParser = openai_app_builders()
     if tool_call_parser:
-        tool_parser(tool_call_parser, None)  # a name vLLM does not have: a ConfigError naming the key
+        tool_parser_class(tool_call_parser)  # a name vLLM does not have: a ConfigError naming the key
 
     argv = ["--model", model_path, "--served-model-name", served_model_name, "--disable-log-stats",
             "--disable-fastapi-docs"]

@@ -201,19 +201,25 @@ def sampled_logprobs(logprobs, ids: list[int]) -> list[float]:
     return [logprobs[j][t].logprob for j, t in enumerate(ids)]
 
 
-def tool_parser(name: str, tools: list[dict] | None) -> tuple[type, Any]:
-    """vLLM's tool-call parser class registered as ``name`` and a chat request offering ``tools``
-    (what its ``extract_tool_calls`` reads); ConfigError naming ``rollout.tool_call_parser`` and
-    the parsers there are when ``name`` is not one."""
-    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+def tool_parser_class(name: str) -> type:
+    """vLLM's tool-call parser class registered as ``name``; ConfigError naming
+    ``rollout.tool_call_parser`` and the parsers there are when ``name`` is not one."""
     from vllm.tool_parsers import ToolParserManager
 
     try:
-        cls = ToolParserManager.get_tool_parser(name)
+        return ToolParserManager.get_tool_parser(name)
     except KeyError as e:
         known = sorted({*getattr(ToolParserManager, "tool_parsers", {}), *getattr(ToolParserManager, "lazy_parsers", {})})
         raise ConfigError(f"rollout.tool_call_parser={name!r}: vLLM has no such tool parser"
                           + (f"; known: {known}" if known else "")) from e
+
+
+def tool_parser(name: str, tools: list[dict] | None) -> tuple[type, Any]:
+    """``tool_parser_class(name)`` and a chat request offering ``tools`` (what its
+    ``extract_tool_calls`` reads)."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+    cls = tool_parser_class(name)
     request = ChatCompletionRequest(model="policy", messages=[{"role": "user", "content": ""}], tools=tools or None)
     return cls, request
 

@@ -46,10 +46,12 @@ def test_keep_on_a_vllm_without_labels_is_a_config_error(monkeypatch):
 
 def test_a_tool_parser_vllm_does_not_have_is_a_config_error_naming_the_key_and_the_known_ones():
     pytest.importorskip("vllm")
-    from disagg.rollout.vllm_api import tool_parser
+    from disagg.rollout.vllm_api import tool_parser, tool_parser_class
 
     cls, request = tool_parser("hermes", [{"type": "function", "function": {"name": "calc", "parameters": {}}}])
     assert hasattr(cls, "extract_tool_calls") and request.tools[0].function.name == "calc"
-    with pytest.raises(ConfigError, match=r"rollout.tool_call_parser='nonsense': vLLM has no such tool parser; "
-                                          r"known: \[.*'hermes'"):
-        tool_parser("nonsense", None)
+    assert tool_parser_class("hermes") is cls  # the server's check at start: no request built
+    for check in (lambda: tool_parser("nonsense", None), lambda: tool_parser_class("nonsense")):
+        with pytest.raises(ConfigError, match=r"rollout.tool_call_parser='nonsense': vLLM has no such tool parser; "
+                                              r"known: \[.*'hermes'"):
+            check()
