@@ -249,11 +249,13 @@ class Job:
                         str(e).splitlines()[0][:300])
 
     def _go(self, armed: ArmedReceive, word: str) -> None:
-        """The driver's word to the trainer's armed pushes (``ARM_SEND`` or ``ARM_CANCEL``), through each
-        group's store. A store that is gone means its trainer rank died: its push's ref says so."""
-        from disagg.transport.sync import go_key
+        """The driver's word (``ARM_SEND`` or ``ARM_CANCEL``) to every party of an armed sync at once,
+        through each group's store: the trainer's armed pushes (``go_key``) and the engines' armed
+        receives (``arm_key``), so that the engines wake beside the trainer rather than one store hop
+        after it. A store that is gone means its trainer rank died: its push's ref says so."""
+        from disagg.transport.sync import arm_key, go_key
 
-        for failed in self._signals.signal(go_key(armed.arm_id), word):
+        for failed in self._signals.signal({go_key(armed.arm_id): word, arm_key(armed.arm_id): word}):
             log.warning("armed push %d: could not say %r (%s)", armed.arm_id, word, failed)
 
     def start_sync(self, policy_version: int, trainer_step: int, from_snapshot: bool = False) -> "PendingSync":

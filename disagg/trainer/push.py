@@ -113,7 +113,8 @@ class TrainerPush:
                               num_trainer_ranks=self.world_size, num_buffers=self.transport_cfg.num_buffers,
                               verify=self.transport_cfg.verify, sender=self.sender, params=tensors)
 
-        if arm_id and self.group is not None:
+        if arm_id and go_timeout_s is None and self.group is not None:
+            # (an armed push's go woke the engines too: Job._go sets both words)
             self.group.signal(arm_key(arm_id), ARM_SEND)  # the header follows at once
         if from_snapshot:
             stats = self._send_snapshot(policy_version, send)

@@ -220,7 +220,8 @@ class TransportGroup:
                 host, port = self._store_addr
                 self._signals = PrefixStore(self.name, TCPStore(host, port, is_master=False, wait_for_workers=False,
                                                                 timeout=timedelta(seconds=self.timeout_s)))
-            self._signals.wait([key], timedelta(seconds=timeout_s))
+            # get waits for the key itself, up to the store's timeout: one round trip, not a wait and a get
+            self._signals.set_timeout(timedelta(seconds=timeout_s))
             return self._signals.get(key).decode()
         except RuntimeError as e:
             self._signals = None  # out of step after a failed wait
@@ -358,13 +359,14 @@ class StoreSignals:
                 raise TransportError(f"group {name!r}: cannot reach the store at {host}:{port} ({_brief(e)})") from e
             self._stores.append((name, PrefixStore(name, store)))
 
-    def signal(self, key: str, value: str) -> list[str]:
-        """Set ``key`` to ``value`` in every group's store; what failed, one line per group (a store
-        that is gone: its host process died)."""
+    def signal(self, words: dict[str, str]) -> list[str]:
+        """Set each key of ``words`` to its value in every group's store, one round trip per store;
+        what failed, one line per group (a store that is gone: its host process died)."""
         failed = []
+        keys, values = list(words), list(words.values())
         for name, store in self._stores:
             try:
-                store.set(key, value)
+                store.multi_set(keys, values)
             except RuntimeError as e:
                 failed.append(f"group {name!r}: {_brief(e)}")
         return failed

@@ -143,10 +143,13 @@ def _kill_receiver(rank: int, world: int, port: int) -> dict:
 
 
 def _armed(rank: int, world: int, port: int) -> dict:
-    """Armed receives (the engines' wait in transport.arm): woken by the sender's word, called off by it,
-    and ended by its death (it hosts the store) well before their timeout."""
+    """Armed receives (the engines' wait in transport.arm): woken by the sender's word, or by the
+    driver's words to every party at once (``StoreSignals``, a client of the store that is no member
+    of the group), called off by it, and ended by its death (it hosts the store) well before their
+    timeout."""
     from disagg.errors import SyncCancelled
-    from disagg.transport.sync import ARM_CANCEL, ARM_SEND, arm_key, armed_go
+    from disagg.transport.group import StoreSignals
+    from disagg.transport.sync import ARM_CANCEL, ARM_SEND, arm_key, armed_go, go_key
 
     group = _group(rank, world, port)
     w = _weights(5)
@@ -154,8 +157,10 @@ def _armed(rank: int, world: int, port: int) -> dict:
         time.sleep(1.0)  # the receivers wait on the group meanwhile
         group.signal(arm_key(1), ARM_SEND)
         WeightSender(group).send(build_manifest(w.items(), BUCKET_BYTES, policy_version=5), w)
+        driver = StoreSignals([(HOST, port, "weights")], timeout_s=TIMEOUT_S)
         time.sleep(0.5)
-        group.signal(arm_key(2), ARM_CANCEL)
+        assert not driver.signal({go_key(2): ARM_CANCEL, arm_key(2): ARM_CANCEL})
+        assert group.await_signal(go_key(2), 5.0, "the driver's go") == ARM_CANCEL  # one multi_set: both keys
         time.sleep(1.0)
         os._exit(0)  # armed receive 3 waits on a store that is gone
     net = _zeroed_net()
