@@ -41,7 +41,7 @@ train: sandbox-tools $(STAMP)
 	$(BIN)/disagg train $(ARGS)
 
 test: sandbox-tools $(STAMP)
-	$(BIN)/python -m pytest -q tests $(ARGS)
+	$(BIN)/python -m pytest -q --durations=30 tests $(ARGS)
 
 unit: sandbox-tools $(STAMP)
 	$(BIN)/python -m pytest -q tests/unit $(ARGS)
