@@ -35,6 +35,7 @@ class SyncStats:
     engine_phases: dict[str, float] = field(default_factory=dict)  # each phase's seconds, the slowest engine's
     timeline: dict[str, float] = field(default_factory=dict)  # each event's seconds after the announce (TIMELINE)
     armed: bool = False  # the engines' receives waited on the group before the announce (Job.arm_sync)
+    skipped: bool = False  # no sync: the step's version was not due to the engines (algorithm.sync_interval)
 
     @property
     def gb_per_s(self) -> float:

@@ -19,6 +19,9 @@ engine) or, with one GPU visible, ``cluster=one_gpu`` (both share it). Trailing
                  (``rollout.scheduler=stream`` at ``--tail-staleness``). Stream vs
                  batch is the scheduler's gain at one staleness (stream /
                  batch_async); async + stream vs sync + batch is stream / batch.
+                 ``--tail-sync-interval N`` > 1 adds ``stream_interval``: the
+                 stream run with the engines taking every N-th version
+                 (``algorithm.sync_interval``), and its ratio to batch.
   reward overlap a reward with a set latency per sample, chosen so that the total
                  reward time of a batch (the sum over its samples) equals the
                  rollout time measured without it: the time from a step's start to
@@ -70,6 +73,7 @@ class PipelineBenchOptions:
     tail_staleness: int = 16  # the staleness limit of the stream run (batch: 0, the synchronous pattern)
     tail_inflight: int = 16  # rollout.max_inflight_groups of the stream scheduler
     tail_prompts: int = 8  # prompts per step there (groups of 4)
+    tail_sync_interval: int = 1  # > 1: a fourth run, the stream with algorithm.sync_interval this
     overlap_steps: int = 10  # steps per variant in the reward-overlap comparison
     overlap_max_seqs: int = 32  # engine concurrency there: a step's groups finish in waves
     overlap_prompts: int = 16  # prompts per step there (groups of 8)
@@ -92,7 +96,7 @@ GPU_DEFAULTS: dict[str, Any] = {
     # Qwen2.5-0.5B's shape with lengths a post-training run sees; sized so that the whole bench
     # takes ~20 minutes on one H200. Flags given on the command line win.
     "tail_steps": 16, "tail_warmup_steps": 1, "tail_short": 128, "tail_long": 2048, "tail_fraction": 0.1,
-    "tail_staleness": 8, "tail_inflight": 128, "tail_prompts": 32,
+    "tail_staleness": 8, "tail_inflight": 128, "tail_prompts": 32, "tail_sync_interval": 4,
     "overlap_steps": 6, "overlap_max_seqs": 64, "overlap_prompts": 32, "overlap_min_tokens": 64,
     "overlap_max_tokens": 512,
     "async_steps": 12, "async_warmup_steps": 2, "async_max_tokens": 512, "async_prompts": 64,
@@ -191,10 +195,11 @@ def long_tail(o: PipelineBenchOptions, run_dir: Path) -> dict[str, Any]:
             _run(_replace(_replace(cfg, "rollout", scheduler="batch"), "algorithm", max_staleness=0), job, tok,
                  o.tail_warmup_steps, version, sampling_for=lengths_from(random.Random(1)))
             version += o.tail_warmup_steps
-        for mode, scheduler, staleness in TAIL_RUNS:
+        for mode, scheduler, staleness in tail_runs(o):
             lengths = lengths_from(random.Random(0))  # the same length sequence for every run
-            mcfg = _replace(_replace(cfg, "rollout", scheduler=scheduler), "algorithm",
-                            max_staleness=o.tail_staleness if staleness is None else staleness)
+            limit = o.tail_staleness if staleness is None else staleness
+            mcfg = _replace(_replace(cfg, "rollout", scheduler=scheduler), "algorithm", max_staleness=limit,
+                            sync_interval=min(o.tail_sync_interval, limit) if mode == "stream_interval" else 1)
             job.coordinator.state.set_max_staleness(mcfg.algorithm.max_staleness)
             before = _engine_counts(job)
             p, wall = _run(mcfg, job, tok, o.tail_steps, version, sampling_for=lengths)
@@ -213,9 +218,11 @@ def long_tail(o: PipelineBenchOptions, run_dir: Path) -> dict[str, Any]:
             log.warning("long tail, %s: %.0f trained tokens/s", mode, out[mode]["trained_tokens_per_s"])
     finally:
         job.shutdown()
-    rate = {mode: out[mode]["trained_tokens_per_s"] for mode, _, _ in TAIL_RUNS}
+    rate = {mode: out[mode]["trained_tokens_per_s"] for mode, _, _ in tail_runs(o)}
     out["stream_vs_batch"] = rate["stream"] / rate["batch_async"]  # one staleness: the scheduler's gain
     out["async_stream_vs_sync_batch"] = rate["stream"] / rate["batch"]
+    if "stream_interval" in rate:
+        out["stream_interval_vs_sync_batch"] = rate["stream_interval"] / rate["batch"]
     return out
 
 
@@ -232,6 +239,11 @@ def _engine_counts(job) -> dict[str, int]:
 
 TAIL_RUNS = (("batch", "batch", 0), ("batch_async", "batch", None), ("stream", "stream", None))
 """The long-tail runs: (name, rollout.scheduler, max_staleness; None: --tail-staleness)."""
+
+
+def tail_runs(o: PipelineBenchOptions) -> tuple:
+    """TAIL_RUNS, and the stream with a sync interval where ``--tail-sync-interval`` asks for one."""
+    return TAIL_RUNS + ((("stream_interval", "stream", None),) if o.tail_sync_interval > 1 else ())
 
 
 PROFILE_KEYS = ("timing/step_s", "timing/train_s", "timing/rollout_s", "timing/weight_sync_s",
@@ -423,8 +435,17 @@ def render(report: dict[str, Any]) -> None:
                       f"{t['stream']['trained_tokens_per_s']:.0f} vs {t['batch']['trained_tokens_per_s']:.0f} "
                       f"(stale drops {t['stream']['dropped_stale']} vs {t['batch']['dropped_stale']})",
                       f"{t['async_stream_vs_sync_batch']:.2f}", ">= 3")
-        for mode, _, _ in TAIL_RUNS:
+        if "stream_interval_vs_sync_batch" in t:
+            k = report["options"]["tail_sync_interval"]
+            table.add_row(f"long tail: async + stream, engines taking every {k}th version, vs sync + batch",
+                          f"{t['stream_interval']['trained_tokens_per_s']:.0f} vs "
+                          f"{t['batch']['trained_tokens_per_s']:.0f} (stale drops "
+                          f"{t['stream_interval']['dropped_stale']} vs {t['batch']['dropped_stale']})",
+                          f"{t['stream_interval_vs_sync_batch']:.2f}", ">= 3")
+        for mode in t:
             m = t[mode]
+            if not isinstance(m, dict):
+                continue
             if "train_s_median" in m:
                 table.add_row(f"  {mode} step median (train / waiting for a batch / engines' tokens/s)",
                               f"{m['step_s_median']:.2f} s ({m['train_s_median']:.2f} / "

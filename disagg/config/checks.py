@@ -70,6 +70,7 @@ RANGES: tuple[tuple[str, str, str], ...] = (
     ("rollout.health_interval_s", "> 0", ""),
     ("rollout.health_timeout_s", "> 0", ""),
     ("algorithm.max_staleness", ">= 0", ""),
+    ("algorithm.sync_interval", ">= 1", ""),
     ("transport.max_sync_retries", ">= 0", ""),
     ("algorithm.kl_coef", ">= 0", ""),
     ("trainer.warmup_steps", ">= 0", ""),
@@ -216,6 +217,9 @@ def _check_batches(cfg: Config, mode: str) -> None:
     _check(a.prompts_per_step % a.num_minibatches == 0,
            f"algorithm.num_minibatches={a.num_minibatches}: must divide algorithm.prompts_per_step="
            f"{a.prompts_per_step}")
+    _check(a.sync_interval <= max(1, a.max_staleness),
+           f"algorithm.sync_interval={a.sync_interval}: must be <= max(1, algorithm.max_staleness="
+           f"{a.max_staleness}) (the engines would fall further behind than the staleness limit allows)")
     _check(r.max_inflight_groups >= a.prompts_per_step,
            f"rollout.max_inflight_groups={r.max_inflight_groups}: must be >= algorithm.prompts_per_step="
            f"{a.prompts_per_step} (a step needs that many groups)")

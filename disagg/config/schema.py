@@ -245,6 +245,12 @@ class AlgorithmConfig:
     max_staleness: int = 0
     """Max policy versions between a sample's oldest token and the version being trained
     (0 = synchronous on-policy). Changeable at run time: `disagg ctl set-staleness N`."""
+    sync_interval: int = 1
+    """The engines take every N-th version the trainer makes (and its last); the steps between
+    train on without a sync. Each sync interrupts generation (requests in flight pause, or are
+    resubmitted on vLLM releases without keep mode), so with fast train steps at staleness >= 1 a
+    longer interval keeps the engines generating. At most max(1, max_staleness); at run time it
+    is capped by the staleness limit in force."""
     off_policy: Literal["ppo", "tis", "decoupled"] = "ppo"
     """Loss against stale samples: 'ppo' clips the ratio to the behaviour policy; 'tis' is a policy
     gradient weighted by the truncated importance ratio min(pi/mu, is_cap); 'decoupled' clips the

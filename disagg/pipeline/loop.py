@@ -17,6 +17,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 
 from disagg.cluster import freeze_heap
+from disagg.job import SyncStats
 from disagg.pipeline.fleet import AgentRunners, EngineFleet, brief
 from disagg.pipeline.generation import Generation
 from disagg.pipeline.recorder import StepRecord, StepRecorder
@@ -149,6 +150,7 @@ class Pipeline:
             self.runners.start(self.job)
         freeze_heap("driver")
         self.version = self.engine_version = first_step  # the trainer's weights / what every engine serves
+        self.sync.sent = first_step
         self.step, self.last_step = first_step - 1, first_step - 1 + total_steps
         self.fleet.start()
         self.recorder.begin(time.perf_counter())
@@ -306,12 +308,23 @@ class Pipeline:
         self.sched.finished(gid, samples, rewards)
 
     def _on_trained(self) -> None:
-        """The train step finished: the trainer is on the next version; the step's sync is queued."""
+        """The train step finished: the trainer is on the next version; the step's sync is queued, or,
+        between two versions due to the engines (``algorithm.sync_interval``), the step is done."""
         record = self.train.finish()
         self.recorder.trained(record.t_train_done)
         self.version += 1
         self.step += 1
-        self.sync.trained(record)  # its sync starts at the top of the loop, once the previous one finished
+        if self.sync.due(self.version, record.limit, last=self.step >= self.last_step or self.stopped is not None):
+            self.sync.trained(record, self.version)  # its sync starts at the top of the loop, once the previous one finished
+        else:
+            self.sync.hold(record)
+            self._steps_without_sync()
+
+    def _steps_without_sync(self) -> None:
+        """Steps the engines skip (``algorithm.sync_interval``) are done at once, after any earlier step
+        still syncing: metrics go out in step order."""
+        for record in self.sync.released():
+            self._step_done(record, SyncStats(self.engine_version, 0, 0.0, 0.0, 0, skipped=True))
 
     def _on_synced(self, state) -> None:
         """A sync ended: engines serve its version; its step's metrics are made and published."""
@@ -325,8 +338,13 @@ class Pipeline:
             # blocked on the push until now, not yet counted at the top of the loop.
             self.recorder.trainer_free(time.perf_counter())
         self.fleet.synced(self.engine_version)
-        if done is None:  # a sync that only brought new engines in
-            return
+        if done is not None:  # else a sync that only brought new engines in
+            self._step_done(done, sync)
+        self._steps_without_sync()
+
+    def _step_done(self, done, sync) -> None:
+        """A step's metrics, made and published: after its sync, or at once when it had none (``sync.skipped``)."""
+        state = self.job.coordinator.state
         self.groups["trained"] += len(done.groups)
         now = time.perf_counter()
         load = self.recorder.engine_rates(self.fleet.load, now)
@@ -336,7 +354,7 @@ class Pipeline:
         rec = self.recorder.step_done(done, sync, now, totals)
         self._live_stats(state, trainer_version=self.version, engine_load=load)
         state.publish_metrics(done.step, rec)
-        self.last_done = (done.step, sync.policy_version)
+        self.last_done = (done.step, done.version_trained + 1)
         if self.metrics is not None:
             self.metrics.log(done.step, rec)
         if self.progress is not None:

@@ -128,6 +128,7 @@ class StepRecorder:
             "weight_sync/gb_per_s": sync.gb_per_s,
             "weight_sync/send_s": sync.send_s,
             "weight_sync/armed": int(sync.armed),
+            "weight_sync/skipped": int(sync.skipped),
             **{f"weight_sync/engine_{k}": v for k, v in sync.engine_phases.items()},
             "timing/step_s": step_s,
             **{f"train/{k}": v for k, v in record.train.items()},

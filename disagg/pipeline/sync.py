@@ -1,8 +1,10 @@
 """The sync controller: a trained step's weights out to the engines, one sync at a time.
 
 A finished step waits (``queued``) until the previous sync is done, then its version goes out
-(``pending``, carrying ``record``). Before a sync starts, engines that started join the transport
-group and drained ones leave it (``EngineFleet.change_at_sync``). With ``transport.overlap_push``
+(``pending``, carrying ``record``). With ``algorithm.sync_interval`` N > 1 only every N-th version
+(and the run's last) goes out (``due``); the steps between finish without a sync (``hold``,
+``released``: behind any step still syncing). Before a sync starts, engines that started join the
+transport group and drained ones leave it (``EngineFleet.change_at_sync``). With ``transport.overlap_push``
 and staleness >= 1 a step's push sends a snapshot the trainer took (``snapshots``), so the trainer
 trains the next step while its previous version is still going out.
 
@@ -39,6 +41,10 @@ class SyncController:
         self.rebuild = False  # a sync failed: the next one rebuilds the transport group first
         self.failed = 0  # failed syncs in a row
         self._seen = SeenRefs()  # refs of the pending sync seen finished
+        self.sent: int | None = None  # the newest version queued or sent to the engines (the loop sets the first)
+        # steps with no sync of their own (sync_interval) that finished while an earlier step's sync was
+        # going: their metrics follow that step's, in order, once nothing is syncing
+        self.held: list[StepRecord] = []
 
     @property
     def idle(self) -> bool:
@@ -102,9 +108,27 @@ class SyncController:
             return
         self.job.arm_sync(version, timeout_s=self.cfg.cluster.actor_timeout_s + self.cfg.transport.timeout_s)
 
-    def trained(self, record: StepRecord) -> None:
-        """A train step finished: its weights go out once the previous sync is done."""
-        self.queued = record
+    def due(self, version: int, limit: int, last: bool) -> bool:
+        """Whether the version a finished step made goes to the engines: always with an interval of 1,
+        at staleness 0 and for the run's last step; else once it is ``algorithm.sync_interval`` versions
+        (capped by the staleness limit in force) past the newest version sent."""
+        interval = min(self.cfg.algorithm.sync_interval, max(limit, 1))
+        return interval <= 1 or last or self.sent is None or version - self.sent >= interval
+
+    def hold(self, record: StepRecord) -> None:
+        """A step whose version is not due to the engines: done once no earlier step is syncing (``released``)."""
+        self.held.append(record)
+
+    def released(self) -> list[StepRecord]:
+        """The held steps that are done now (nothing syncing ahead of them), oldest first."""
+        if not self.idle:
+            return []
+        out, self.held = self.held, []
+        return out
+
+    def trained(self, record: StepRecord, version: int) -> None:
+        """A train step finished, making ``version``: its weights go out once the previous sync is done."""
+        self.queued, self.sent = record, version
 
     def start_queued(self, version: int) -> None:
         """Send again the version that failed, else the queued step's ``version``; neither while a sync
@@ -123,6 +147,7 @@ class SyncController:
         self.pending, self.record = self._start(version, step), None
 
     def _start(self, version: int, step: int):
+        self.sent = version if self.sent is None else max(self.sent, version)
         self.fleet.change_at_sync(version, self.rebuild)
         self.rebuild = False
         return self.job.start_sync(version, step, from_snapshot=version in self.snapshots)

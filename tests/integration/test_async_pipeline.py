@@ -258,10 +258,10 @@ def test_the_driver_takes_stream_results_by_group_and_every_owed_group_on_a_fail
     assert owed == [12] and isinstance(error, RolloutError) and "1 group(s) unanswered" in str(error)
 
 
-def _pipeline(job, tok, **kw):
+def _pipeline(job, tok, cfg=None, **kw):
     from disagg.train import make_pipeline
 
-    return make_pipeline(job.cfg, job, tok, **kw)
+    return make_pipeline(cfg or job.cfg, job, tok, **kw)
 
 
 def test_max_staleness_zero_reproduces_the_synchronous_pattern(job, tok):
@@ -323,3 +323,30 @@ def test_staleness_is_bounded_with_a_slow_trainer_and_changed_at_run_time_over_g
     assert after and all(r["policy/staleness_max"] == 0 for r in after)
     assert records[-1]["samples/dropped_stale"] > 0
     assert all(r["policy/max_staleness_limit"] == 0 for r in after)
+
+
+def test_a_sync_interval_sends_every_other_version_and_the_last_within_the_staleness_limit(job, tok):
+    """algorithm.sync_interval=2 at staleness 2: the engine takes every second version the trainer
+    makes, and the run's last; the steps between have no sync (``weight_sync/skipped``), samples stay
+    inside the limit, and the engine serves the trainer's final weights when the run ends."""
+    import dataclasses
+
+    import ray
+
+    job.coordinator.state.set_max_staleness(2)
+    cfg = dataclasses.replace(job.cfg, algorithm=dataclasses.replace(job.cfg.algorithm, sync_interval=2))
+    first = _next_version(job)
+    job.sync_weights(first, trainer_step=first)
+    pipeline = _pipeline(job, tok, cfg=cfg)
+    records = pipeline.run(5, first_step=first)
+    assert [r["policy/version_trained"] for r in records] == list(range(first, first + 5))
+    # versions first+1 .. first+5: every second one goes out (counted from first), and the last
+    assert [r["weight_sync/skipped"] for r in records] == [1, 0, 1, 0, 0], records
+    assert all(r["weight_sync/bytes"] == 0 for r in records if r["weight_sync/skipped"])
+    assert all(r["weight_sync/bytes"] > 0 for r in records if not r["weight_sync/skipped"])
+    assert all(r["policy/staleness_max"] <= 2 for r in records)
+    assert pipeline.prompts_lost() == 0
+    state = job.coordinator.state
+    assert state.committed_version() == first + 5 == pipeline.version
+    assert ray.get(job.rollout.engines[0].get_version.remote(), timeout=60)["policy_version"] == first + 5
+
