@@ -43,7 +43,7 @@ class SyncController:
         self._seen = SeenRefs()  # refs of the pending sync seen finished
         self.sent: int | None = None  # the newest version queued or sent to the engines (the loop sets the first)
         # steps with no sync of their own (sync_interval) that finished while an earlier step's sync was
-        # going: their metrics follow that step's, in order, once nothing is syncing
+        # going: their metrics follow that step's, in step order
         self.held: list[StepRecord] = []
 
     @property
@@ -120,10 +120,11 @@ class SyncController:
         self.held.append(record)
 
     def released(self) -> list[StepRecord]:
-        """The held steps that are done now (nothing syncing ahead of them), oldest first."""
-        if not self.idle:
-            return []
-        out, self.held = self.held, []
+        """The held steps that are done now (no earlier step still to sync), oldest first."""
+        waiting = [r.step for r in (self.syncing, self.queued) if r is not None]
+        first = min(waiting, default=None)
+        out = [r for r in self.held if first is None or r.step < first]
+        self.held = self.held[len(out):]
         return out
 
     def trained(self, record: StepRecord, version: int) -> None:

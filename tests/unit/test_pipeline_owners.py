@@ -321,8 +321,11 @@ def test_with_a_sync_interval_only_every_nth_version_and_the_last_are_due_capped
     assert sync.released() == []  # its metrics follow step 3's
     sync.start_queued(4)
     assert sync.released() == []
+    sync.trained(StepRecord(5, 5, [], 0.0), 6)  # the run's last step, due, queued behind step 3's sync
     sync.finish(step=3, trainer_holds=None)
-    assert [r.step for r in sync.released()] == [4] and sync.released() == []
+    assert [r.step for r in sync.released()] == [4] and sync.released() == []  # before step 5's
+    sync.start_queued(6)
+    sync.finish(step=5, trainer_holds=None)
     sync.join_replacements(8, step=7)  # a sync of no step also sets where the count starts
     assert not sync.due(9, limit=4, last=False) and sync.due(11, limit=4, last=False)
 
