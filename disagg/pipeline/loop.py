@@ -150,7 +150,7 @@ class Pipeline:
             self.runners.start(self.job)
         freeze_heap("driver")
         self.version = self.engine_version = first_step  # the trainer's weights / what every engine serves
-        self.sync.sent = first_step
+        self.sync.begin(first_step)
         self.step, self.last_step = first_step - 1, first_step - 1 + total_steps
         self.fleet.start()
         self.recorder.begin(time.perf_counter())

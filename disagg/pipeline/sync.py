@@ -41,7 +41,7 @@ class SyncController:
         self.rebuild = False  # a sync failed: the next one rebuilds the transport group first
         self.failed = 0  # failed syncs in a row
         self._seen = SeenRefs()  # refs of the pending sync seen finished
-        self.sent: int | None = None  # the newest version queued or sent to the engines (the loop sets the first)
+        self.sent: int | None = None  # the newest version queued or sent to the engines (``begin`` sets the first)
         # steps with no sync of their own (sync_interval) that finished while an earlier step's sync was
         # going: their metrics follow that step's, in step order
         self.held: list[StepRecord] = []
@@ -107,6 +107,10 @@ class SyncController:
                 and not self.fleet.changes_pending()):
             return
         self.job.arm_sync(version, timeout_s=self.cfg.cluster.actor_timeout_s + self.cfg.transport.timeout_s)
+
+    def begin(self, version: int) -> None:
+        """A run starts from ``version``, which every engine already serves."""
+        self.sent, self.held = version, []
 
     def due(self, version: int, limit: int, last: bool) -> bool:
         """Whether the version a finished step made goes to the engines: always with an interval of 1,

@@ -308,7 +308,7 @@ def test_engines_are_armed_only_at_staleness_0_when_idle_and_nothing_else_happen
 
 def test_with_a_sync_interval_only_every_nth_version_and_the_last_are_due_capped_by_the_limit() -> None:
     sync, job = _sync(overlap_push=True)
-    sync.sent = 1  # the version the run started from (the loop sets it)
+    sync.begin(1)  # the version the run starts from
     assert all(sync.due(v, limit=4, last=False) for v in (2, 3))  # an interval of 1: every version
     sync.cfg.algorithm.sync_interval = 3
     assert [sync.due(v, limit=4, last=False) for v in (2, 3, 4)] == [False, False, True]
