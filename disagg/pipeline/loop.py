@@ -314,8 +314,9 @@ class Pipeline:
         self.recorder.trained(record.t_train_done)
         self.version += 1
         self.step += 1
-        if self.sync.due(self.version, record.limit, last=self.step >= self.last_step or self.stopped is not None):
-            self.sync.trained(record, self.version)  # its sync starts at the top of the loop, once the previous one finished
+        last = self.step >= self.last_step or self.stopped is not None
+        if self.sync.due(self.version, record.limit, last=last):
+            self.sync.trained(record)  # its sync starts at the top of the loop, once the previous one finished
         else:
             self.sync.hold(record)
             self._steps_without_sync()

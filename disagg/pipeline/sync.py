@@ -131,9 +131,10 @@ class SyncController:
         self.held = self.held[len(out):]
         return out
 
-    def trained(self, record: StepRecord, version: int) -> None:
-        """A train step finished, making ``version``: its weights go out once the previous sync is done."""
-        self.queued, self.sent = record, version
+    def trained(self, record: StepRecord) -> None:
+        """A train step finished: its weights (the version after the one it trained) go out once the
+        previous sync is done."""
+        self.queued, self.sent = record, record.version_trained + 1
 
     def start_queued(self, version: int) -> None:
         """Send again the version that failed, else the queued step's ``version``; neither while a sync

@@ -349,4 +349,3 @@ def test_a_sync_interval_sends_every_other_version_and_the_last_within_the_stale
     state = job.coordinator.state
     assert state.committed_version() == first + 5 == pipeline.version
     assert ray.get(job.rollout.engines[0].get_version.remote(), timeout=60)["policy_version"] == first + 5
-

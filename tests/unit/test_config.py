@@ -71,7 +71,8 @@ def test_defaults_match_the_shipped_default_yaml():
         ({"reward": {"name": None, "path": None}}, "reward.name"),
         ({"rollout": {"gpu_memory_utilization": 1.5}}, "rollout.gpu_memory_utilization=1.5"),
         ({"trainer": {"grad_clip": True}}, "trainer.grad_clip=True"),
-        ({"algorithm": {"sync_interval": 2}}, "algorithm.sync_interval=2: must be <= max(1, algorithm.max_staleness=0)"),
+        ({"algorithm": {"sync_interval": 2}},
+         "algorithm.sync_interval=2: must be <= max(1, algorithm.max_staleness=0)"),
         ({"algorithm": {"sync_interval": 0, "max_staleness": 2}}, "algorithm.sync_interval=0"),
     ],
 )

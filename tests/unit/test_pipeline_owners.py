@@ -265,7 +265,7 @@ def test_sync_waits_for_the_previous_one_and_blocks_the_trainer_until_its_push_l
     sync, job = _sync(overlap_push=False)
     assert sync.idle and not sync.blocks_trainer(1)
     assert sync.snapshot_for(1, limit=1) is None  # no overlap_push: no copy
-    sync.trained(StepRecord(1, 1, [], 0.0), 2)
+    sync.trained(StepRecord(1, 1, [], 0.0))
     assert sync.blocks_trainer(2)  # its weights have not gone out
     sync.start_queued(2)
     assert job.started == [(2, 1, False)] and sync.queued is None and not sync.idle
@@ -273,7 +273,7 @@ def test_sync_waits_for_the_previous_one_and_blocks_the_trainer_until_its_push_l
     assert sync.blocks_trainer(2)
     sync.pending.pushed = True  # the push left the trainer: it may train while engines load
     assert not sync.blocks_trainer(2)
-    sync.trained(StepRecord(2, 2, [], 0.0), 3)
+    sync.trained(StepRecord(2, 2, [], 0.0))
     sync.start_queued(3)  # one sync at a time
     assert len(job.started) == 1 and sync.queued.step == 2
     stats, record = sync.finish(step=2, trainer_holds=None)
@@ -297,7 +297,7 @@ def test_engines_are_armed_only_at_staleness_0_when_idle_and_nothing_else_happen
     sync.rebuild = True  # the last sync failed: the next one rebuilds the group
     sync.arm(3, limit=0, engines_idle=True)
     sync.rebuild = False
-    sync.trained(StepRecord(1, 1, [], 0.0), 2)  # a step waits for its sync
+    sync.trained(StepRecord(1, 1, [], 0.0))  # a step waits for its sync
     sync.arm(3, limit=0, engines_idle=True)
     assert job.armed_for == [(2, 90.0)]
     sync.queued = None
@@ -315,13 +315,13 @@ def test_with_a_sync_interval_only_every_nth_version_and_the_last_are_due_capped
     assert sync.due(2, limit=4, last=True)  # the run's last version always goes out
     assert [sync.due(v, limit=2, last=False) for v in (2, 3)] == [False, True]  # capped by the limit in force
     assert sync.due(2, limit=0, last=False)  # staleness 0: every version
-    sync.trained(StepRecord(3, 3, [], 0.0), 4)  # version 4 queued: the next ones count from it
+    sync.trained(StepRecord(3, 3, [], 0.0))  # version 4 queued: the next ones count from it
     assert [sync.due(v, limit=4, last=False) for v in (5, 6, 7)] == [False, False, True]
     sync.hold(StepRecord(4, 4, [], 0.0))  # version 5 not due, finished while version 4 waits to go out
     assert sync.released() == []  # its metrics follow step 3's
     sync.start_queued(4)
     assert sync.released() == []
-    sync.trained(StepRecord(5, 5, [], 0.0), 6)  # the run's last step, due, queued behind step 3's sync
+    sync.trained(StepRecord(5, 5, [], 0.0))  # the run's last step, due, queued behind step 3's sync
     sync.finish(step=3, trainer_holds=None)
     assert [r.step for r in sync.released()] == [4] and sync.released() == []  # before step 5's
     sync.start_queued(6)
@@ -334,11 +334,11 @@ def test_a_snapshot_lets_the_trainer_take_its_next_batch_before_its_sync_starts(
     sync, job = _sync(overlap_push=True)
     assert sync.snapshot_for(1, limit=0) is None  # staleness 0: the engines must have it first
     assert sync.snapshot_for(1, limit=1) == 2 and sync.snapshots == [2]
-    sync.trained(StepRecord(1, 1, [], 0.0), 2)
+    sync.trained(StepRecord(1, 1, [], 0.0))
     assert not sync.blocks_trainer(2)  # queued, but pushed from a copy
     sync.start_queued(2)
     assert job.started == [(2, 1, True)] and not sync.blocks_trainer(2)
-    sync.trained(StepRecord(2, 2, [], 0.0), 3)
+    sync.trained(StepRecord(2, 2, [], 0.0))
     assert sync.blocks_trainer(3)  # version 3 has no copy and a sync is running: wait
 
 
@@ -350,7 +350,7 @@ def test_a_sync_to_send_again_waits_while_no_engine_can_receive_it_and_brings_th
     assert not fleet.can_receive() and [eid for eid, _, _ in fleet.launching.values()] == [1]
     record = StepRecord(2, 2, [], 0.0)
     sync.retry = (3, 2, record)  # what finish() leaves when the trainer's side of version 3 failed
-    sync.trained(StepRecord(3, 3, [], 0.0), 4)
+    sync.trained(StepRecord(3, 3, [], 0.0))
     assert not sync.idle and sync.blocks_trainer(4) and sync.syncing is record
     sync.start_queued(4)
     assert job.started == [] and job.changes == []  # no sync into an empty group
