@@ -133,9 +133,14 @@ class Job:
                             cfg.trainer.num_workers)
         self.register_rollout_pool(cfg.rollout.num_engines)
         t0 = time.perf_counter()
+        # The engines start while the trainer's workers load the model (on GPUs a large model's load
+        # overlaps vLLM's profiling and cache set-up), except where they share a GPU: vLLM sizes its
+        # KV cache from the memory free while it profiles, which a loading trainer would change.
+        shared_gpu = device == "cuda" and (cfg.trainer.gpus_per_worker < 1 or cfg.rollout.gpus_per_engine < 1)
         self.rollout = RolloutPool(cfg, self.pools.rollout_pg, device, str(self.model_path), self.control_client(),
-                                   label_selector=self.pools.rollout_label_selector)
+                                   label_selector=self.pools.rollout_label_selector, wait=shared_gpu)
         self.trainer = TrainerGroup(cfg, self.pools.trainer_pg, device, str(self.model_path))
+        self.rollout.wait_started()
         self.engine_start_s = [i["start_s"] for i in self.rollout.start_info]
         log.info("pools up in %.1fs (engine start %s s)", time.perf_counter() - t0,
                  ", ".join(f"{s:.1f}" for s in self.engine_start_s))

@@ -14,7 +14,9 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 # Small, fast settings every integration test starts from.
 SMALL = {
     "trainer": {"total_steps": 3, "micro_batch_size": 32},
-    "rollout": {"max_model_len": 32, "max_tokens": 8},
+    # KV cache: vLLM on CPU allocates (and zeroes) the fraction of RAM at every engine start; 0.06
+    # (about 0.45 GiB, 30k tokens, on a 24 GiB machine) starts an engine 5 s sooner than the default
+    "rollout": {"max_model_len": 32, "max_tokens": 8, "gpu_memory_utilization": 0.06},
     "algorithm": {"group_size": 4, "prompts_per_step": 4},
     "model": {"warmstart": {"steps": 30}},
     "logging": {"backends": ["jsonl", "tensorboard"], "progress": False},
@@ -25,6 +27,7 @@ SMALL = {
 SMALL_CLI = [
     "trainer.micro_batch_size=32",
     "rollout.max_model_len=32",
+    "rollout.gpu_memory_utilization=0.06",
     "algorithm.group_size=4",
     "algorithm.prompts_per_step=4",
     "model.warmstart.steps=30",

@@ -8,6 +8,7 @@ one actor call at a time: measured, a third of the engine's time per step.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterator, Sized
@@ -15,6 +16,8 @@ from typing import Any
 
 from disagg.pipeline.scheduler import Group, GroupScheduler
 from disagg.rollout.types import GenRequest, SamplingSpec
+
+log = logging.getLogger("disagg.pipeline")
 
 
 class Generation:
@@ -106,6 +109,21 @@ class Generation:
                 out += mine
         self.sched.off_engine(out)
         return out
+
+    def cancel(self) -> int:
+        """The run ended: every call still in flight is cancelled, so its engine aborts the groups'
+        requests in vLLM instead of generating them for no step (a bench's next run on the same
+        engines would queue behind them). Returns the groups those calls still owed."""
+        import ray
+
+        owed = self.inflight()
+        for ref in self.calls:
+            try:
+                ray.cancel(ref)
+            except Exception as e:  # noqa: BLE001 - its engine or runner died meanwhile: nothing to stop
+                log.debug("cancelling a call at the run's end: %s", e)
+        self.calls.clear()
+        return owed
 
     def take(self, ref) -> list[tuple[list[int], Any]]:
         """What the ready ``ref`` has now: ([its gid], the GenResult) each, all of a stream's that are

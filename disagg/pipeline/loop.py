@@ -138,6 +138,7 @@ class Pipeline:
             self.abandoned_groups = self.gen.inflight() + len(self.gen.again)
         finally:
             state.set_scale_check(None)
+            self.gen.cancel()  # groups no step will train stop generating
             self.close()
             self.fleet.shutdown()
         return self.records

@@ -115,7 +115,7 @@ class EngineActor(EngineSync, EnginePeers):
                            else CoordinatorClient(coordinator, timeout_s=rpc_timeout_s))
         self.stats = {"requests": 0, "dropped_prompt_too_long": 0, "tokens_generated": 0, "pauses": 0, "streams": 0,
                       "resubmits": 0, "resubmit_kv_kept_tokens": 0, "resubmit_prefill_tokens": 0,
-                      "http_requests": 0, "http_inflight": 0, "http_waiting": 0}
+                      "requests_cancelled": 0, "http_requests": 0, "http_inflight": 0, "http_waiting": 0}
         self.address = ""  # the OpenAI API's base address (http://host:port), once serving
         self._http = None  # (uvicorn server, its task, its WeightsGate)
 
@@ -304,6 +304,9 @@ class EngineActor(EngineSync, EnginePeers):
                 ordered = await self._generate_kept(req)
             else:  # one vLLM request per sample: each continues alone after a sync
                 ordered = list(await asyncio.gather(*(self._run_sample(req, i) for i in range(s.n))))
+        except asyncio.CancelledError:  # its caller cancelled it (a run that ended): aborted in vLLM
+            self.stats["requests_cancelled"] += 1
+            raise
         except ValueError as e:  # vLLM's own input validation
             self.stats["dropped_invalid_prompt"] = self.stats.get("dropped_invalid_prompt", 0) + 1
             log.warning("dropping request %s: %s", req.request_id, e)
@@ -449,7 +452,8 @@ class EngineActor(EngineSync, EnginePeers):
         import gc
 
         return dict(self.stats, policy_version=self.version, address=self.address,
-                    gc_frozen_objects=gc.get_freeze_count())
+                    gc_frozen_objects=gc.get_freeze_count(),
+                    unfinished_requests=vllm_api.num_unfinished_requests(self._engine) if self._engine else 0)
 
     async def get_address(self) -> str:
         """The OpenAI API base address (``http://host:port``; append ``/v1``), empty if not serving."""

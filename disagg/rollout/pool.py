@@ -33,7 +33,7 @@ class RolloutPool:
     """
 
     def __init__(self, cfg: Config, pg, device: str, model_path: str, coordinator=None,
-                 label_selector: dict[str, str] | None = None):
+                 label_selector: dict[str, str] | None = None, wait: bool = True):
         self.cfg, self.device, self.model_path, self.coordinator = cfg, device, model_path, coordinator
         self.label_selector = dict(label_selector or {})  # cluster.rollout_nodes, for engines added later
         self.timeout_s = cfg.cluster.actor_timeout_s
@@ -49,8 +49,18 @@ class RolloutPool:
             eid, handle = self._create(pg, [i * self.tp + k for k in range(self.tp)], own_pg=False)
             self.engines.append(handle)
             self.engine_ids.append(eid)
-        self.start_info = ray_get_logged([e.start.remote() for e in self.engines], what="engine start",
-                                         timeout_s=cfg.rollout.start_timeout_s, log=log)
+        self._starting = [e.start.remote() for e in self.engines]
+        self.start_info: list[dict[str, Any]] = []  # each engine's start report, once started
+        if wait:
+            self.wait_started()
+
+    def wait_started(self) -> None:
+        """Wait for the first engines' start (``wait=False`` leaves it to the caller, who starts the
+        trainer meanwhile: its model loads while the engines profile and build their caches)."""
+        if self._starting:
+            self.start_info = ray_get_logged(self._starting, what="engine start",
+                                             timeout_s=self.cfg.rollout.start_timeout_s, log=log)
+            self._starting = []
 
     @property
     def num_workers(self) -> int:
@@ -201,8 +211,10 @@ class RolloutPool:
         return self._get([e.get_stats.remote() for e in self.engines], "engine stats")
 
     def shutdown(self) -> None:
+        """Every engine shut down at once (vLLM's shutdown takes seconds each), then waited for."""
+        for eid, e in list(zip(self.engine_ids, self.engines)):
+            self.retire(eid, e, background=True)
         for t in self._retiring:
             t.join(timeout=60)
-        for eid, e in list(zip(self.engine_ids, self.engines)):
-            self.retire(eid, e)
+        self._retiring = []
         self.engines, self.engine_ids = [], []

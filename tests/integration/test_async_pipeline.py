@@ -349,3 +349,41 @@ def test_a_sync_interval_sends_every_other_version_and_the_last_within_the_stale
     state = job.coordinator.state
     assert state.committed_version() == first + 5 == pipeline.version
     assert ray.get(job.rollout.engines[0].get_version.remote(), timeout=60)["policy_version"] == first + 5
+
+
+def test_groups_still_generating_when_a_run_ends_are_aborted_in_the_engine(job, tok):
+    """A run that ends with groups in flight (the stream admits ahead of the trainer) cancels their
+    calls: the engine aborts their vLLM requests instead of generating them for no step, where a
+    next run on the same engines (a bench's runs) would queue behind them."""
+    import dataclasses
+    import itertools
+    import time
+
+    import ray
+
+    job.coordinator.state.set_max_staleness(4)
+    first = _next_version(job)
+    job.sync_weights(first, trainer_step=first)
+    engine = job.rollout.engines[0]
+    before = ray.get(engine.get_stats.remote(), timeout=60)
+    turn = itertools.count()
+
+    def lengths(row):  # every other group runs long: those are the ones in flight at the end
+        n = LONG_TOKENS if next(turn) % 2 else 4
+        return SamplingSpec(max_tokens=n, temperature=1.0, n=job.cfg.algorithm.group_size, ignore_eos=True)
+
+    cfg = dataclasses.replace(job.cfg, rollout=dataclasses.replace(job.cfg.rollout, scheduler="stream",
+                                                                   max_inflight_groups=16))
+    pipeline = _pipeline(job, tok, cfg=cfg, sampling_for=lengths)
+    pipeline.run(1, first_step=first)
+    assert pipeline.abandoned_groups > 0  # else the run ended with nothing to cancel
+    deadline = time.monotonic() + 30
+    while True:
+        after = ray.get(engine.get_stats.remote(), timeout=60)
+        if after["unfinished_requests"] == 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert after["unfinished_requests"] == 0, after
+    # cancelled, not finished: the requests of the groups the run left were aborted
+    assert after["requests_cancelled"] - before["requests_cancelled"] > 0, (before, after)
+    assert pipeline.gen.inflight() == 0

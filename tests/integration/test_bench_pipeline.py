@@ -35,7 +35,7 @@ def test_bench_pipeline_reports_measured_ratios(tmp_path):
     out = tmp_path / "pipeline.json"
     cmd = [sys.executable, "-m", "disagg", "bench", "pipeline", "--only", "tail,overlap", "--tail-steps", "3",
            "--tail-warmup-steps", "1", "--overlap-steps", "3", "--tail-long", "48", "--run-dir", str(tmp_path / "runs"),
-           "--json", str(out)]
+           "--json", str(out), "rollout.gpu_memory_utilization=0.06"]  # a small KV cache: engines start sooner
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=840)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())

@@ -68,7 +68,7 @@ def test_summary_puts_the_peer_against_the_fastest_mode():
 def test_bench_vllm_sync_times_a_raw_broadcast_and_each_syncs_phases(tmp_path):
     out = tmp_path / "vs.json"
     cmd = [sys.executable, "-m", "disagg", "bench", "vllm-sync", "--device", "cpu", "--repeats", "2",
-           "--run-dir", str(tmp_path / "run"), "--json", str(out)]
+           "--run-dir", str(tmp_path / "run"), "--json", str(out), "rollout.gpu_memory_utilization=0.06"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=540)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(out.read_text())
