@@ -111,6 +111,7 @@ TIMELINE = {  # a sync's events, in their usual order -> what happened (the late
     "engine_in": "the engine actor's receive started (Ray's dispatch to it)",
     "update_call": "the engine called into vLLM's worker (manifest and quiesce done)",
     "worker_in": "vLLM's worker entered the update (the engine core picked the call up)",
+    "trainer_header": "the trainer posted its header (the send's set-up done)",
     "wire_start": "the sender's header matched on the worker (every party on the group)",
     "trainer_out": "the trainer's push returned (its last bucket on the wire)",
     "worker_out": "the worker left the update (bytes loaded)",
@@ -126,7 +127,7 @@ def sync_timeline(wall0: float, seconds: float, sent: list[dict], received: list
     synchronised ones); ``done`` is ``seconds``. Events no party reported are left out. Pure."""
     latest: dict[str, float] = {}
     for out in sent:
-        for key in ("trainer_in", "trainer_out"):
+        for key in ("trainer_in", "trainer_header", "trainer_out"):
             if f"{key}_unix_s" in out:
                 latest[key] = max(latest.get(key, 0.0), float(out[f"{key}_unix_s"]))
     for report in received:

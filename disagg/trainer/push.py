@@ -129,7 +129,7 @@ class TrainerPush:
         out.update(seconds=time.perf_counter() - t0, bytes=0, num_buckets=0)
         if stats is not None:
             out.update(bytes=stats.bytes, send_s=stats.seconds, num_buckets=stats.num_buckets,
-                       group_bytes_sent=self.group.bytes_sent)
+                       group_bytes_sent=self.group.bytes_sent, trainer_header_unix_s=stats.header_unix_s)
         out.update(trainer_in_unix_s=wall0, trainer_out_unix_s=time.time())
         self._timeline.append(("push", policy_version, wall0, out["trainer_out_unix_s"]))
         return out

@@ -62,6 +62,7 @@ class SendStats:
     bytes: int  # payload bytes broadcast (the manifest's total_bytes)
     seconds: float  # wall time of the whole send, header included
     num_buckets: int
+    header_unix_s: float = 0.0  # unix time the header's broadcast was posted (the send's set-up done)
 
 
 def header_for(manifest: Manifest) -> list[int]:
@@ -263,6 +264,7 @@ class WeightSender:
         header = torch.tensor(header_for(manifest), dtype=torch.int64, device=self.group.device)
         # Not waited for here: the buckets queue behind it on the wire (ops complete in order).
         finished: list = [self.group.broadcast_async(header, self.src, count_bytes=False)]
+        header_unix_s = time.time()
         in_flight: deque = deque()
         for i, plan in enumerate(manifest.buckets):
             if views is None and len(in_flight) == self.num_buffers:
@@ -304,7 +306,7 @@ class WeightSender:
         del header  # alive until its broadcast completed
         seconds = time.perf_counter() - t0
         stats = SendStats(bytes=sum(p.nbytes for p in manifest.buckets), seconds=seconds,
-                          num_buckets=len(manifest.buckets))
+                          num_buckets=len(manifest.buckets), header_unix_s=header_unix_s)
         log.debug("[transport:%s:%d] sent policy_version=%d: %d buckets, %.1f MiB in %.3f s",
                   self.group.name, self.group.rank, manifest.policy_version, stats.num_buckets,
                   stats.bytes / 2**20, seconds)

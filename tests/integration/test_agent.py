@@ -32,7 +32,7 @@ def job(ray_session, model_cache, tmp_path_factory):
                        rollout={"num_engines": 2, "max_model_len": 256, "max_tokens": 64, "max_inflight_groups": 8,
                                 "gpu_memory_utilization": 0.06},
                        algorithm={"group_size": 4, "prompts_per_step": 4},
-                       model={"warmstart": {"steps": 200, "batch_size": 32, "lr": 3e-3}},
+                       model={"warmstart": {"steps": 200, "batch_size": 16, "lr": 3e-3}},
                        agent={"max_turns": 3, "max_tokens_per_turn": 80, "max_trajectory_tokens": 160})
     j = Job.start(cfg, tmp_path_factory.mktemp("agent-run"), prepare_model(cfg))
     yield j
