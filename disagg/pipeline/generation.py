@@ -110,20 +110,18 @@ class Generation:
         self.sched.off_engine(out)
         return out
 
-    def cancel(self) -> int:
+    def cancel(self) -> None:
         """The run ended: every call still in flight is cancelled, so its engine aborts the groups'
         requests in vLLM instead of generating them for no step (a bench's next run on the same
-        engines would queue behind them). Returns the groups those calls still owed."""
+        engines would queue behind them)."""
         import ray
 
-        owed = self.inflight()
         for ref in self.calls:
             try:
                 ray.cancel(ref)
             except Exception as e:  # noqa: BLE001 - its engine or runner died meanwhile: nothing to stop
                 log.debug("cancelling a call at the run's end: %s", e)
         self.calls.clear()
-        return owed
 
     def take(self, ref) -> list[tuple[list[int], Any]]:
         """What the ready ``ref`` has now: ([its gid], the GenResult) each, all of a stream's that are
