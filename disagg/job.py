@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from disagg.cluster import Pools, connect, create_pools
-from disagg.config import Config, resolve_backend, resolve_device
+from disagg.config import Config, resolve_backend, resolve_device, shares_gpus
 from disagg.errors import TransportError
 from disagg.logs import ray_get_logged
 from disagg.rollout.pool import RolloutPool
@@ -136,7 +136,7 @@ class Job:
         # The engines start while the trainer's workers load the model (on GPUs a large model's load
         # overlaps vLLM's profiling and cache set-up), except where they share a GPU: vLLM sizes its
         # KV cache from the memory free while it profiles, which a loading trainer would change.
-        shared_gpu = device == "cuda" and (cfg.trainer.gpus_per_worker < 1 or cfg.rollout.gpus_per_engine < 1)
+        shared_gpu = device == "cuda" and shares_gpus(cfg)
         self.rollout = RolloutPool(cfg, self.pools.rollout_pg, device, str(self.model_path), self.control_client(),
                                    label_selector=self.pools.rollout_label_selector, wait=shared_gpu)
         self.trainer = TrainerGroup(cfg, self.pools.trainer_pg, device, str(self.model_path))
