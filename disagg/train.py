@@ -135,14 +135,9 @@ def run(cfg: Config, run_dir: Path) -> Path:
             faults.hit("checkpoint_written")
             return path
 
-        def on_step(step: int, rec: dict) -> None:
-            every = cfg.trainer.checkpoint_every
-            if every and step % every == 0 and step < cfg.trainer.total_steps:  # the last one: after the run
-                state.schedule_checkpoint()
-
         with _progress(cfg, first_step - 1) as bar:
             pipeline = make_pipeline(cfg, job, tokenizer, source=source, metrics=metrics, progress=bar,
-                                     checkpoint=checkpoint, on_step=on_step)
+                                     checkpoint=checkpoint)
             if resume is not None:
                 pipeline.scored.update(resume.counts)
                 pipeline.sched.counts.update(resume.scheduler_counts)

@@ -42,7 +42,8 @@ class Pipeline:
     while the rollout is paused no new group starts; a stop request ends the run after
     the step in progress (``stopped`` is then set); a checkpoint request holds back new
     train steps until the trainer is idle and every engine serves its weights, then calls
-    ``checkpoint(step, version) -> path``.
+    ``checkpoint(step, version) -> path``; with ``trainer.checkpoint_every=N`` the loop asks for one
+    itself as each N-th step (but the last) is trained, so it holds exactly that step.
     """
 
     def __init__(self, cfg, job, source: Iterator, encode: Callable[[str], tuple[int, ...]],
@@ -316,6 +317,11 @@ class Pipeline:
         self.version += 1
         self.step += 1
         last = self.step >= self.last_step or self.stopped is not None
+        every = self.cfg.trainer.checkpoint_every
+        if self.checkpoint is not None and every and self.step % every == 0 and not last:
+            # Asked for now, not when the step's metrics come out (after its sync): by then the trainer
+            # may have taken the next batch, and the checkpoint would slip to a later step.
+            self.job.coordinator.state.schedule_checkpoint()
         if self.sync.due(self.version, record.limit, last=last):
             self.sync.trained(record)  # its sync starts at the top of the loop, once the previous one finished
         else:

@@ -351,6 +351,41 @@ def test_a_sync_interval_sends_every_other_version_and_the_last_within_the_stale
     assert ray.get(job.rollout.engines[0].get_version.remote(), timeout=60)["policy_version"] == first + 5
 
 
+def test_periodic_checkpoints_hold_exactly_every_nth_step_at_staleness_one(job, tok):
+    """trainer.checkpoint_every=2 at staleness 1 with a slow trainer: the next batch is ready as each
+    step ends, yet every checkpoint holds exactly an even step (none slips past its step while the
+    next one trains), taken with the trainer idle and the engine serving the checkpoint's version."""
+    import dataclasses
+
+    import ray
+
+    state = job.coordinator.state
+    state.set_max_staleness(1)
+    cfg = dataclasses.replace(job.cfg, trainer=dataclasses.replace(job.cfg.trainer, checkpoint_every=2))
+    first = _next_version(job)
+    job.sync_weights(first, trainer_step=first)
+    taken: list[tuple[int, int, int, bool]] = []
+    pipeline = None
+
+    def checkpoint(step: int, version: int) -> str:
+        taken.append((step, version, state.committed_version(), pipeline.train.running))
+        return f"ckpt-{step}"
+
+    ray.get(job.trainer.rank0.set_step_delay.remote(0.3), timeout=60)
+    try:
+        pipeline = _pipeline(job, tok, cfg=cfg, checkpoint=checkpoint)
+        records = pipeline.run(6, first_step=first)
+    finally:
+        ray.get(job.trainer.rank0.set_step_delay.remote(0.0), timeout=60)
+    steps = list(range(first, first + 6))  # step s trains version s (the initial weights are version first)
+    assert [r["policy/version_trained"] for r in records] == steps
+    # The even steps but the run's last (the driver writes that one after the run), each once.
+    assert [t[0] for t in taken] == [s for s in steps[:-1] if s % 2 == 0], (taken, steps)
+    for step, version, serving, training in taken:
+        assert version == step + 1 and serving == version and not training, taken
+    assert max(r["policy/staleness_max"] for r in records) >= 1  # the run did go ahead of the trainer
+
+
 def test_groups_still_generating_when_a_run_ends_are_aborted_in_the_engine(job, tok):
     """A run that ends with groups in flight (the stream admits ahead of the trainer) cancels their
     calls: the engine aborts their vLLM requests instead of generating them for no step, where a
