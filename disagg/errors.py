@@ -41,3 +41,8 @@ class ChecksumError(TransportError):
 
 class SyncCancelled(DisaggError):
     """An armed receive was called off by the sender before any byte moved; the weights are unchanged."""
+
+
+class DeltaRefused(TransportError):
+    """A delta sync was made against a version this receiver does not hold. It took the whole sync
+    off the wire (the group stays in step) and loaded nothing; it needs a dense sync."""

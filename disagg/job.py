@@ -36,6 +36,8 @@ class SyncStats:
     timeline: dict[str, float] = field(default_factory=dict)  # each event's seconds after the announce (TIMELINE)
     armed: bool = False  # the engines' receives waited on the group before the announce (Job.arm_sync)
     skipped: bool = False  # no sync: the step's version was not due to the engines (algorithm.sync_interval)
+    wire_bytes: int | None = None  # what went on the wire (< bytes for a delta, transport.delta); None: bytes
+    changed_fraction: float | None = None  # of the elements, against the engines' version (a delta); None: dense
 
     @property
     def gb_per_s(self) -> float:
@@ -334,9 +336,14 @@ class Job:
             for k, v in getattr(report, "phases", {}).items():
                 phases[k] = max(phases.get(k, 0.0), v)
         seconds = time.perf_counter() - pending.t0
-        return SyncStats(pending.policy_version, sum(int(o["bytes"]) for o in sent), seconds,
+        dense = sum(int(o["bytes"]) for o in sent)
+        deltas = [o for o in sent if o.get("changed_fraction") is not None]  # each sending rank's, by its bytes
+        changed = (sum(o["changed_fraction"] * int(o["bytes"]) for o in deltas) / max(1, dense)
+                   if deltas and len(deltas) == sum(1 for o in sent if int(o["bytes"])) else None)
+        return SyncStats(pending.policy_version, dense, seconds,
                          max(float(o.get("send_s", 0.0)) for o in sent), sum(int(o["num_buckets"]) for o in sent),
-                         phases, sync_timeline(pending.wall0, seconds, sent, received), pending.armed)
+                         phases, sync_timeline(pending.wall0, seconds, sent, received), pending.armed,
+                         wire_bytes=sum(int(o.get("wire_bytes", o["bytes"])) for o in sent), changed_fraction=changed)
 
     def _sync_failures(self, refs: list, names: list[str], first: Exception) -> str:
         """What each party of a failed sync reported (its peers fail within the transport timeout)."""

@@ -125,6 +125,9 @@ class StepRecorder:
             "timing/train_s": record.t_train_done - record.t_batch,
             "timing/weight_sync_s": sync.seconds,
             "weight_sync/bytes": sync.bytes,
+            "weight_sync/bytes_on_wire": sync.bytes if sync.wire_bytes is None else sync.wire_bytes,
+            "weight_sync/delta": int(sync.changed_fraction is not None),  # 0: dense (the first, after a join, a retry)
+            **({} if sync.changed_fraction is None else {"weight_sync/changed_fraction": sync.changed_fraction}),
             "weight_sync/gb_per_s": sync.gb_per_s,
             "weight_sync/send_s": sync.send_s,
             "weight_sync/armed": int(sync.armed),

@@ -41,9 +41,10 @@ from typing import Any
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
 
-from disagg.errors import ChecksumError, SyncCancelled
+from disagg.errors import ChecksumError, DeltaRefused, SyncCancelled
 from disagg.rollout import vllm_api
 from disagg.transport.copyplan import CopyPlan, Recorded, learn
+from disagg.transport.delta import DeltaImage
 from disagg.transport.group import create_group, timed_raw_broadcasts
 from disagg.transport.manifest import Manifest
 from disagg.transport.sync import armed_go, receive_model
@@ -62,6 +63,7 @@ class DisaggInitInfo(WeightTransferInitInfo):
     num_buffers: int = 2
     verify: bool = False
     load: str = "auto"  # transport.load: auto | layerwise | direct
+    delta: bool = False  # transport.delta=on: receive with receive_delta onto an image per group
 
 
 def resolve_load_mode(requested: str, device_type: str, quantized: bool) -> str:
@@ -100,6 +102,7 @@ class DisaggWeightTransferEngine(WeightTransferEngine[DisaggInitInfo, DisaggUpda
     def __init__(self, config, vllm_config, device, model) -> None:
         super().__init__(config, vllm_config, device, model)
         self.groups: list = []
+        self.images: list | None = None  # transport.delta: per group, the version this worker holds (DeltaImage)
         self.info: DisaggInitInfo | None = None
         self.last_stats: dict[str, Any] = {}
         self._reloading = False
@@ -125,8 +128,10 @@ class DisaggWeightTransferEngine(WeightTransferEngine[DisaggInitInfo, DisaggUpda
                          backend=init_info.backend, timeout_s=init_info.timeout_s, group_name=name, device=self.device)
             for host, port, name in init_info.groups
         ]
-        log.info("[rollout] joined %d transport group(s) as rank %d/%d (load %s)", len(self.groups), rank,
-                 init_info.world_size, self.load_mode)
+        # New groups: this worker holds nothing of the trainer's yet, and the first sync is dense.
+        self.images = [DeltaImage(self.device) for _ in self.groups] if init_info.delta else None
+        log.info("[rollout] joined %d transport group(s) as rank %d/%d (load %s%s)", len(self.groups), rank,
+                 init_info.world_size, self.load_mode, ", delta syncs" if init_info.delta else "")
 
     def set_load_mode(self, requested: str) -> str:
         """Load the next updates as ``requested`` (``transport.load``) resolves for this worker; the mode."""
@@ -220,13 +225,15 @@ class DisaggWeightTransferEngine(WeightTransferEngine[DisaggInitInfo, DisaggUpda
                     self._times["armed_wait_s"] = max(self._times.get("armed_wait_s", 0.0), time.perf_counter() - t)
                     self._times["armed_go_unix_s"] = time.time()  # the sync's part starts here
         try:
+            # vLLM's layerwise reload finishes a layer once all its weights came: a delta loads them all
             stats = receive_model(self.groups, manifest, self._load, device=self.device, source=self.info.source,
-                                  num_buffers=self.info.num_buffers, verify=self.info.verify, go=go)
+                                  num_buffers=self.info.num_buffers, verify=self.info.verify, go=go,
+                                  images=self.images, load_unchanged=self.load_mode != "direct")
         except SyncCancelled as e:  # before any byte moved: the model is untouched
             self._learning = None
             self.last_stats["cancelled"] = str(e)
             return
-        except ChecksumError as e:
+        except (ChecksumError, DeltaRefused) as e:  # the group is in step; nothing was loaded
             self.last_stats["rejected"] = str(e)
             self._learning = None
             raise

@@ -59,6 +59,7 @@ class TrainerWorker(TrainerPush, TrainerPeers):
         self.opt = None
         self.group = None
         self.sender = None
+        self.delta_image = None  # transport.delta=on: the version every engine of the group holds (DeltaImage)
         self._manifest = None
         self._push_manifest = None  # this rank's part of it (_push_layout)
         self._params: dict[str, torch.Tensor] | None = None  # named parameters, for the weight sync

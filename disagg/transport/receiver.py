@@ -18,8 +18,9 @@ from dataclasses import dataclass
 import torch
 
 from disagg import faults
-from disagg.errors import ChecksumError, TransportError
+from disagg.errors import ChecksumError, DeltaRefused, TransportError
 from disagg.transport.buckets import Reassembler, bucket_buffers, bucket_checksum
+from disagg.transport.delta import DeltaImage, Form, apply, payload_bytes
 from disagg.transport.group import TransportGroup
 from disagg.transport.manifest import Manifest
 from disagg.transport.sender import header_for
@@ -182,6 +183,86 @@ class _Receive:
                   stats.bytes / 2**20, stats.seconds)
         return stats
 
+
+def receive_delta(group: TransportGroup, manifest: Manifest, load_fn: LoadFn, image: DeltaImage,
+                  device: torch.device = torch.device("cpu"), src: int = 0, verify: bool = False,
+                  go: Callable[[TransportGroup], None] | None = None, load_unchanged: bool = False) -> ReceiveStats:
+    """Receive one policy version sent by ``WeightSender.send_delta``: apply each bucket's changes
+    onto ``image``, then load the tensors of every bucket that changed (every tensor after a dense
+    sync, or with ``load_unchanged``: a loader that needs whole layers). Nothing is loaded before every bucket arrived (and, with ``verify``, matched its
+    checksum): a failure leaves the weights on their old version, the image holding none.
+
+    A delta made against another version than the one ``image`` holds is taken off the wire and
+    refused with ``DeltaRefused`` (the group stays in step; this receiver needs a dense sync).
+    ``TransportError`` for a header that disagrees with ``manifest`` or a failed broadcast,
+    ``ChecksumError`` for a corrupt bucket; ``go`` as in ``receive_weights``."""
+    if group.rank == src:
+        raise ValueError(f"receive_delta runs on receivers; rank {src} is the sender")
+    if go is not None:
+        go(group)
+    t0 = time.perf_counter()
+    header = torch.zeros(4, dtype=torch.int64, device=group.device)
+    group.broadcast_async(header, src, count_bytes=False).wait()
+    _check_header(group, manifest, header[:3])
+    header_s, base = time.perf_counter() - t0, int(header[3])
+    table = torch.zeros(2 * len(manifest.buckets), dtype=torch.int64, device=group.device)
+    group.broadcast_async(table, src, count_bytes=False).wait()
+    forms = [(Form(f), n) for f, n in table.view(-1, 2).tolist()]
+    bufs = image.buckets(manifest)
+    refused = base != 0 and image.version != base
+    held, image.version = image.version, None  # rewritten from here on
+    posted: list[tuple[torch.Tensor | None, torch.Tensor | None]] = []
+    ops = []
+    for plan, buf, (form, changed) in zip(manifest.buckets, bufs, forms):
+        if form is Form.SAME:
+            posted.append((None, None))
+            continue
+        payload = buf if form is Form.DENSE else torch.empty(
+            payload_bytes(form, plan.numel, changed, buf.element_size()), dtype=torch.uint8, device=device)
+        ops.append(group.broadcast_async(payload, src))
+        checksum = torch.zeros(2, dtype=torch.int64, device=device) if verify else None
+        if verify:
+            ops.append(group.broadcast_async(checksum, src, count_bytes=False))
+        posted.append((payload, checksum))
+    for op in ops:
+        op.wait()
+    faults.hit("receive_bucket")
+    if refused:
+        raise DeltaRefused(f"group {group.name!r} rank {group.rank}: policy_version={manifest.policy_version} was "
+                           f"sent as changes to version {base}, this receiver holds "
+                           f"{'none' if held is None else f'version {held}'}; nothing loaded, a dense sync is needed")
+    corrupt = []
+    for plan, buf, (form, changed), (payload, checksum) in zip(manifest.buckets, bufs, forms, posted):
+        if form in (Form.INDEX, Form.MASK):
+            apply(buf, form, changed, payload)
+        if checksum is not None and not torch.equal(bucket_checksum(buf), checksum):
+            corrupt.append(plan.index)
+    if corrupt:
+        raise ChecksumError(f"group {group.name!r} rank {group.rank}: policy_version={manifest.policy_version} "
+                            f"rejected: checksum mismatch in {len(corrupt)} of {len(bufs)} buckets (first "
+                            f"{corrupt[:5]}); nothing loaded")
+    changed_names = {e.name for plan, (form, _) in zip(manifest.buckets, forms) if form is not Form.SAME
+                     for e in plan.entries}
+    reassembler, num_tensors = Reassembler(manifest, device=device), 0
+    for plan, buf in zip(manifest.buckets, bufs):
+        done = [(n, t) for n, t in reassembler.feed(plan, buf) if base == 0 or load_unchanged or n in changed_names]
+        if done:
+            load_fn(done)
+            num_tensors += len(done)
+    rest = reassembler.finish()
+    if rest and (base == 0 or load_unchanged):
+        load_fn(rest)
+        num_tensors += len(rest)
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+    image.version = manifest.policy_version
+    seconds = time.perf_counter() - t0
+    wire = sum(p.numel() * p.element_size() for p, _ in posted if p is not None)
+    log.debug("[transport:%s:%d] received policy_version=%d against %s: %d tensors loaded, %.2f MiB in %.3f s",
+              group.name, group.rank, manifest.policy_version, base or "nothing (dense)", num_tensors,
+              wire / 2**20, seconds)
+    return ReceiveStats(bytes=wire, seconds=seconds, num_buckets=len(bufs), num_tensors=num_tensors,
+                        header_s=header_s, header_unix_s=time.time() - (seconds - header_s))
 
 def _check_header(group: TransportGroup, manifest: Manifest, header: torch.Tensor) -> None:
     got, want = header.tolist(), header_for(manifest)

@@ -25,6 +25,7 @@ import torch
 from disagg import faults
 from disagg.transport.buckets import (bucket_buffers, bucket_checksum, contiguous_bucket, dtype_name, pack_bucket,
                                      torch_dtype)
+from disagg.transport.delta import DeltaImage, Form, encode
 from disagg.transport.group import TransportGroup
 from disagg.transport.manifest import DTYPE_BYTES, BucketPlan, Manifest, TensorSpec, plan_buckets
 
@@ -63,6 +64,9 @@ class SendStats:
     seconds: float  # wall time of the whole send, header included
     num_buckets: int
     header_unix_s: float = 0.0  # unix time the header's broadcast was posted (the send's set-up done)
+    dense_bytes: int = 0  # what the version weighs (== bytes unless sent as a delta)
+    delta_base: int = 0  # the version a delta was made against; 0: dense
+    changed_fraction: float | None = None  # of the elements, against delta_base (None: dense, not compared)
 
 
 def header_for(manifest: Manifest) -> list[int]:
@@ -242,6 +246,17 @@ class WeightSender:
             self._slots_key = key
         return self._slots
 
+    def _packer(self, manifest: Manifest, named_tensors: NamedTensors | None,
+                fill: BucketFill | None) -> "_Packer":
+        """How each bucket of this send is made: a view of flat parameters, a fill, one fused copy of
+        cached views, or entry by entry (``send``'s sources)."""
+        addresses = self._addresses(manifest, named_tensors) if fill is None else None
+        views = self._flat_views(manifest, named_tensors, addresses)
+        slots = self._buffers(manifest, fill.slack if fill is not None else 0) if views is None else []
+        packs = self._pack_views(manifest, named_tensors, addresses, slots) if views is None else None
+        source = _TensorSource(manifest, named_tensors) if fill is None and views is None and packs is None else None
+        return _Packer(manifest, views, slots, fill, packs, source, self._after_pack is None)
+
     def send(self, manifest: Manifest, named_tensors: NamedTensors | None = None,
              fill: BucketFill | None = None) -> SendStats:
         """Send every bucket of ``manifest`` in order; every receiver must be receiving.
@@ -256,36 +271,19 @@ class WeightSender:
         if (named_tensors is None) == (fill is None):
             raise ValueError("WeightSender.send needs exactly one of named_tensors and fill")
         t0 = time.perf_counter()
-        addresses = self._addresses(manifest, named_tensors) if fill is None else None
-        views = self._flat_views(manifest, named_tensors, addresses)
-        slots = self._buffers(manifest, fill.slack if fill is not None else 0) if views is None else []
-        packs = self._pack_views(manifest, named_tensors, addresses, slots) if views is None else None
-        source = _TensorSource(manifest, named_tensors) if fill is None and views is None and packs is None else None
+        pack = self._packer(manifest, named_tensors, fill)
         header = torch.tensor(header_for(manifest), dtype=torch.int64, device=self.group.device)
         # Not waited for here: the buckets queue behind it on the wire (ops complete in order).
         finished: list = [self.group.broadcast_async(header, self.src, count_bytes=False)]
         header_unix_s = time.time()
         in_flight: deque = deque()
         for i, plan in enumerate(manifest.buckets):
-            if views is None and len(in_flight) == self.num_buffers:
+            if pack.slotted and len(in_flight) == self.num_buffers:
                 # This slot's previous bucket must be off the wire before it is repacked.
                 for op in in_flight.popleft():
                     op.wait(host=False)
                     finished.append(op)
-            if views is not None:  # straight from the parameters: no buffer to recycle
-                packed = views[i]
-            elif fill is not None:
-                buf = slots[i % self.num_buffers][plan.dtype]
-                fill(plan, buf)
-                packed = buf[: plan.numel]
-            elif packs is not None:
-                torch._foreach_copy_(*packs[i])
-                packed = slots[i % self.num_buffers][plan.dtype][: plan.numel]
-            else:
-                tensors = source.take(plan)
-                packed = contiguous_bucket(plan, tensors) if self._after_pack is None else None
-                if packed is None:
-                    packed = pack_bucket(plan, tensors, out=slots[i % self.num_buffers][plan.dtype])
+            packed = pack(i)
             ops = []
             if self.verify:
                 checksum = bucket_checksum(packed)
@@ -296,8 +294,6 @@ class WeightSender:
             if self.verify:
                 ops.append(self.group.broadcast_async(checksum, self.src, count_bytes=False))
             in_flight.append(ops)
-            if source is not None:
-                source.release(plan)
         # Host-side completion (timeouts, errors, byte counts), oldest first.
         for op in finished + [op for ops in in_flight for op in ops]:
             op.wait()
@@ -305,9 +301,95 @@ class WeightSender:
             torch.cuda.current_stream(self.device).synchronize()
         del header  # alive until its broadcast completed
         seconds = time.perf_counter() - t0
-        stats = SendStats(bytes=sum(p.nbytes for p in manifest.buckets), seconds=seconds,
-                          num_buckets=len(manifest.buckets), header_unix_s=header_unix_s)
+        total = sum(p.nbytes for p in manifest.buckets)
+        stats = SendStats(bytes=total, seconds=seconds, num_buckets=len(manifest.buckets),
+                          header_unix_s=header_unix_s, dense_bytes=total)
         log.debug("[transport:%s:%d] sent policy_version=%d: %d buckets, %.1f MiB in %.3f s",
                   self.group.name, self.group.rank, manifest.policy_version, stats.num_buckets,
                   stats.bytes / 2**20, seconds)
         return stats
+
+
+    def send_delta(self, manifest: Manifest, image: DeltaImage, named_tensors: NamedTensors | None = None,
+                   fill: BucketFill | None = None) -> SendStats:
+        """Send ``manifest``'s version as the changes from the version ``image`` holds; every receiver
+        must be in ``receive_delta`` with its own image. Dense where ``image`` holds no version.
+
+        Every bucket is packed and compared with the image first (the receivers need each bucket's
+        form and size before its bytes); the image then holds the new version. The wire carries a
+        header of four numbers (``header_for`` and the base version, 0 for dense), a table of
+        (form, changed elements) per bucket, then one payload per bucket that changed (``delta``);
+        with ``verify``, each is followed by the checksum of the whole new bucket. A failed send
+        leaves the image holding no version. Sources and errors as in ``send``."""
+        if (named_tensors is None) == (fill is None):
+            raise ValueError("WeightSender.send_delta needs exactly one of named_tensors and fill")
+        t0 = time.perf_counter()
+        group, src = self.group, self.src
+        bufs = image.buckets(manifest)  # a new layout holds no version
+        base, image.version = image.version, None
+        pack = self._packer(manifest, named_tensors, fill)
+        deltas = []
+        for i, plan in enumerate(manifest.buckets):
+            packed = pack(i)
+            d = encode(packed, bufs[i], force_dense=base is None)
+            if d.form is not Form.SAME:
+                bufs[i].copy_(packed)
+            deltas.append(d)
+        table = torch.tensor([[int(d.form), d.changed] for d in deltas], dtype=torch.int64).reshape(-1)
+        header = torch.tensor([*header_for(manifest), base or 0], dtype=torch.int64)
+        kept = [header.to(group.device), table.to(group.device)]  # every tensor on the wire, alive until its op is done
+        ops = [group.broadcast_async(t, src, count_bytes=False) for t in kept]
+        header_unix_s = time.time()
+        for d, buf in zip(deltas, bufs):
+            if d.form is Form.SAME:
+                continue
+            ops.append(group.broadcast_async(buf if d.form is Form.DENSE else d.payload, src))
+            faults.hit("send_bucket")
+            if self.verify:
+                kept.append(bucket_checksum(buf))
+                ops.append(group.broadcast_async(kept[-1], src, count_bytes=False))
+        for op in ops:
+            op.wait()
+        del kept
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        image.version = manifest.policy_version
+        total = sum(p.nbytes for p in manifest.buckets)
+        wire = sum(d.nbytes if d.form is not Form.DENSE else p.nbytes for d, p in zip(deltas, manifest.buckets))
+        changed = sum(d.changed for d in deltas) / max(1, sum(p.numel for p in manifest.buckets))
+        stats = SendStats(bytes=wire, seconds=time.perf_counter() - t0, num_buckets=len(manifest.buckets),
+                          header_unix_s=header_unix_s, dense_bytes=total, delta_base=base or 0,
+                          changed_fraction=None if base is None else changed)
+        log.debug("[transport:%s:%d] sent policy_version=%d against %s: %.2f of %.1f MiB in %.3f s",
+                  group.name, group.rank, manifest.policy_version, base or "nothing (dense)", wire / 2**20,
+                  total / 2**20, stats.seconds)
+        return stats
+
+class _Packer:
+    """``pack(i)``: bucket ``i`` of one send, ready for the wire. Unless ``slotted`` is false (every
+    bucket a view of the parameters), it is packed into buffer slot ``i % len(slots)``, which the
+    caller must not hand to a bucket still on the wire."""
+
+    def __init__(self, manifest: Manifest, views: list[torch.Tensor] | None, slots: list[dict[str, torch.Tensor]],
+                 fill: BucketFill | None, packs: list | None, source: _TensorSource | None, zero_copy: bool) -> None:
+        self.buckets, self.views, self.slots, self.fill = manifest.buckets, views, slots, fill
+        self.packs, self.source, self.zero_copy = packs, source, zero_copy
+        self.slotted = views is None
+
+    def __call__(self, i: int) -> torch.Tensor:
+        plan = self.buckets[i]
+        if self.views is not None:  # straight from the parameters: no buffer to recycle
+            return self.views[i]
+        buf = self.slots[i % len(self.slots)][plan.dtype]
+        if self.fill is not None:
+            self.fill(plan, buf)
+            return buf[: plan.numel]
+        if self.packs is not None:
+            torch._foreach_copy_(*self.packs[i])
+            return buf[: plan.numel]
+        tensors = self.source.take(plan)
+        packed = contiguous_bucket(plan, tensors) if self.zero_copy else None
+        if packed is None:
+            packed = pack_bucket(plan, tensors, out=buf)
+        self.source.release(plan)  # a view keeps what it reads alive; the rest was copied
+        return packed

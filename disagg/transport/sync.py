@@ -30,9 +30,10 @@ import torch
 
 from disagg.errors import TransportError
 from disagg.transport.buckets import bucket_buffers, torch_dtype
+from disagg.transport.delta import DeltaImage
 from disagg.transport.group import TransportGroup
 from disagg.transport.manifest import Manifest, TensorSpec, plan_buckets
-from disagg.transport.receiver import LoadFn, ReceiveStats, receive_weights
+from disagg.transport.receiver import LoadFn, ReceiveStats, receive_delta, receive_weights
 from disagg.transport.sender import BucketFill, SendStats, WeightSender, build_manifest
 
 SOURCES = ("gather", "shards")
@@ -87,22 +88,24 @@ def _local(p: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def send_model(group: TransportGroup | None, model: torch.nn.Module, full: Manifest, *, source: str,
                trainer_rank: int, num_trainer_ranks: int, num_buffers: int = 2, verify: bool = False,
-               sender: WeightSender | None = None,
-               params: Mapping[str, torch.Tensor] | None = None) -> SendStats | None:
+               sender: WeightSender | None = None, params: Mapping[str, torch.Tensor] | None = None,
+               image: DeltaImage | None = None) -> SendStats | None:
     """Send ``model``'s parameters as ``full.policy_version``; call on every trainer rank.
 
     ``group`` is this rank's source group (None for non-zero ranks in gather mode).
     ``params`` is ``dict(model.named_parameters())`` made once by a caller that syncs
     often (walking the module tree costs about a millisecond per sync); the
     parameters must then be updated in place, as optimizers and ``load_state_dict``
-    do. Returns the send statistics on ranks that sent, None on ranks that only gathered.
+    do. ``image`` (``transport.delta``): this rank's image of what its group's receivers hold; the
+    send is then ``WeightSender.send_delta``. Returns the send statistics on ranks that sent, None
+    on ranks that only gathered.
     """
     params = dict(model.named_parameters()) if params is None else params
     device = next(iter(params.values())).device  # buckets are packed there (WeightSender)
     if source == "gather":
         if num_trainer_ranks == 1:  # nothing to gather: the parameters themselves (zero-copy when flat)
             sender = sender or WeightSender(group, 0, num_buffers, verify, device=device)
-            return sender.send(full, params)
+            return sender.send(full, params) if image is None else sender.send_delta(full, image, params)
         gatherer = ShardGatherer(params, full)
         if trainer_rank != 0:
             # Take part in every gather, in the same order as rank 0, into scratch buffers
@@ -112,7 +115,7 @@ def send_model(group: TransportGroup | None, model: torch.nn.Module, full: Manif
                 gatherer(plan, scratch[i % len(scratch)][plan.dtype])
             return None
         sender = sender or WeightSender(group, 0, num_buffers, verify, device=device)
-        return sender.send(full, fill=gatherer)
+        return sender.send(full, fill=gatherer) if image is None else sender.send_delta(full, image, fill=gatherer)
     if source != "shards":
         raise ValueError(f"transport.source must be one of {SOURCES}, got {source!r}")
     mine = source_manifests(full, num_trainer_ranks)[trainer_rank]
@@ -122,7 +125,7 @@ def send_model(group: TransportGroup | None, model: torch.nn.Module, full: Manif
             raise TransportError(f"trainer rank {trainer_rank}: local shard of {t.name!r} has shape "
                                  f"{tuple(local[t.name].shape)}, expected {t.shape} (dim-0 FSDP2 sharding)")
     sender = sender or WeightSender(group, 0, num_buffers, verify, device=device)
-    return sender.send(mine, local)
+    return sender.send(mine, local) if image is None else sender.send_delta(mine, image, local)
 
 
 _SCRATCH: dict[tuple, list[dict[str, torch.Tensor]]] = {}
@@ -293,28 +296,40 @@ class ShardAssembler:
 
 def receive_model(groups: list[TransportGroup], full: Manifest, load_fn: LoadFn, *, device: torch.device,
                   source: str, num_buffers: int = 2, verify: bool = False,
-                  go: Callable[[TransportGroup], None] | None = None) -> ReceiveStats:
+                  go: Callable[[TransportGroup], None] | None = None, images: list[DeltaImage] | None = None,
+                  load_unchanged: bool = False) -> ReceiveStats:
     """Receive ``full.policy_version`` from one group (gather) or one group per trainer rank (shards);
-    ``go``: an armed receive's wait for each group's sender (``receive_weights``)."""
+    ``go``: an armed receive's wait for each group's sender (``receive_weights``). ``images``
+    (``transport.delta``): one per group, received with ``receive_delta``; ``load_unchanged`` then
+    loads every tensor, not only those that changed (a loader that needs whole layers; the shards
+    of one tensor come from every group, so ``shards`` always does)."""
     t0 = time.perf_counter()
+    if images is not None and len(images) != len(groups):
+        raise ValueError(f"{len(images)} delta images for {len(groups)} transport groups")
+
+    def receive(r: int, manifest: Manifest, load: LoadFn) -> ReceiveStats:
+        if images is None:
+            return receive_weights(groups[r], manifest, load, device, 0, num_buffers, verify, go)
+        return receive_delta(groups[r], manifest, load, images[r], device, 0, verify, go,
+                             load_unchanged=load_unchanged or source == "shards")
+
     if source == "gather":
         if len(groups) != 1:
             raise ValueError(f"gather mode receives from one group, got {len(groups)}")
-        return receive_weights(groups[0], full, load_fn, device, 0, num_buffers, verify, go)
+        return receive(0, full, load_fn)
     manifests = source_manifests(full, len(groups))
-    assembler = ShardAssembler(full, len(groups), load_fn, device, defer=verify)
+    # A delta loads nothing before its group's buckets all arrived; every group's, with the assembler deferring.
+    assembler = ShardAssembler(full, len(groups), load_fn, device, defer=verify or images is not None)
 
     def one(r: int) -> ReceiveStats:
         if device.type != "cuda":
-            return receive_weights(groups[r], manifests[r], lambda items: assembler.add(r, items), device, 0,
-                                   num_buffers, verify, go)
+            return receive(r, manifests[r], lambda items: assembler.add(r, items))
         torch.cuda.set_device(device)  # a fresh thread starts on device 0
         # One stream per source: group r's NCCL stream then depends on nothing but its own
         # receives and copies. Through a shared stream, two communicators would wait on
         # each other in different orders on different receivers, a deadlock.
         with torch.cuda.stream(torch.cuda.Stream(device)):
-            stats = receive_weights(groups[r], manifests[r], lambda items: assembler.add(r, items), device, 0,
-                                    num_buffers, verify, go)
+            stats = receive(r, manifests[r], lambda items: assembler.add(r, items))
         return stats
 
     with ThreadPoolExecutor(max_workers=len(groups), thread_name_prefix="disagg-recv") as pool:

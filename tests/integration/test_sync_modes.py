@@ -57,7 +57,7 @@ def _wire(backend: str) -> str:
 
 
 def _trainer(rank: int, world: int, receivers: int, ports: list[int], fsdp_port: int, source: str,
-             corrupt: bool, backend: str, out: mp.Queue, started, overlap: bool = False) -> None:
+             corrupt: bool, backend: str, out: mp.Queue, started, overlap: bool = False, delta: bool = False) -> None:
     from disagg.transport.group import create_group
     from disagg.transport.sync import model_manifest, send_model, source_groups_needed
 
@@ -92,15 +92,38 @@ def _trainer(rank: int, world: int, receivers: int, ports: list[int], fsdp_port:
                     for n, p in net.named_parameters()}
     if overlap:
         stats = _send_snapshot_while_training(net, group, full, source, rank, world, sender, device)
+    elif delta:
+        full_weights, stats = _send_two_versions_as_deltas(net, group, full, source, rank, world, sender)
     else:
         stats = send_model(group, net, full, source=source, trainer_rank=rank, num_trainer_ranks=world,
                            num_buffers=2, verify=corrupt, sender=sender)
     staged = sorted({str(b.device) for slot in sender._slots for b in slot.values()}) if sender else []
     out.put({"role": "trainer", "rank": rank, "weights": full_weights, "staged_on": staged,
-             "sent": None if stats is None else stats.bytes, "manifest_bytes": full.total_bytes})
+             "sent": None if stats is None else stats.bytes, "manifest_bytes": full.total_bytes,
+             "changed": None if stats is None else stats.changed_fraction})
     if group is not None:
         group.barrier()
         group.destroy()
+
+
+def _send_two_versions_as_deltas(net, group, full, source, rank, world, sender):
+    """transport.delta: version 5 (dense: nothing held yet), then every 37th element of every local
+    shard moved and version 6 sent as a delta; the full weights of 6 and its send's figures."""
+    from disagg.transport.delta import DeltaImage
+    from disagg.transport.sync import send_model
+
+    image = DeltaImage(next(net.parameters()).device)
+    send_model(group, net, full, source=source, trainer_rank=rank, num_trainer_ranks=world, num_buffers=2,
+               sender=sender, image=image)
+    with torch.no_grad():
+        for p in net.parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p
+            local.view(-1)[::37] += 1.0
+    weights = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().cpu().reshape(-1).tolist()
+               for n, p in net.named_parameters()}
+    stats = send_model(group, net, full.with_version(6), source=source, trainer_rank=rank, num_trainer_ranks=world,
+                       num_buffers=2, sender=sender, image=image)
+    return weights, stats
 
 
 def _send_snapshot_while_training(net, group, full, source, rank, world, sender, device):
@@ -150,7 +173,7 @@ def _send_snapshot_while_training(net, group, full, source, rank, world, sender,
 
 
 def _receiver(index: int, receivers: int, num_groups: int, ports: list[int], source: str, verify: bool,
-              backend: str, first_device: int, out: mp.Queue, started) -> None:
+              backend: str, first_device: int, out: mp.Queue, started, delta: bool = False) -> None:
     from disagg.errors import ChecksumError
     from disagg.transport.group import create_group
     from disagg.transport.receiver import TorchModelReceiver
@@ -168,7 +191,15 @@ def _receiver(index: int, receivers: int, num_groups: int, ports: list[int], sou
     load = TorchModelReceiver.load_into_module(net)
     rejected = None
     try:
-        stats = receive_model(groups, full, load, device=device, source=source, num_buffers=2, verify=verify)
+        if delta:  # version 5 dense, then 6 as a delta onto it (_send_two_versions_as_deltas)
+            from disagg.transport.delta import DeltaImage
+
+            images = [DeltaImage(device) for _ in groups]
+            receive_model(groups, full, load, device=device, source=source, images=images)
+            load.assert_complete()
+            stats = receive_model(groups, full.with_version(6), load, device=device, source=source, images=images)
+        else:
+            stats = receive_model(groups, full, load, device=device, source=source, num_buffers=2, verify=verify)
         received = stats.bytes
         load.assert_complete()
     except ChecksumError as e:
@@ -181,7 +212,7 @@ def _receiver(index: int, receivers: int, num_groups: int, ports: list[int], sou
 
 
 def _run(trainers: int, source: str, corrupt: bool = False, backend: str = "gloo", receivers: int = 2,
-         overlap: bool = False) -> list[dict]:
+         overlap: bool = False, delta: bool = False) -> list[dict]:
     """Spawn the trainers and receivers (on NCCL: one GPU each, trainers first) and collect their reports."""
     from disagg.transport.group import pick_free_port
     from disagg.transport.sync import source_groups_needed
@@ -193,9 +224,9 @@ def _run(trainers: int, source: str, corrupt: bool = False, backend: str = "gloo
     ports = [pick_free_port(HOST) for _ in range(num_groups)]
     fsdp_port = pick_free_port(HOST)
     procs = [ctx.Process(target=_trainer, args=(r, trainers, receivers, ports, fsdp_port, source, corrupt, backend,
-                                                out, started, overlap)) for r in range(trainers)]
+                                                out, started, overlap, delta)) for r in range(trainers)]
     procs += [ctx.Process(target=_receiver, args=(j, receivers, num_groups, ports, source, corrupt, backend, trainers,
-                                                  out, started)) for j in range(receivers)]
+                                                  out, started, delta)) for j in range(receivers)]
     for p in procs:
         p.start()
     reports = []
@@ -244,6 +275,22 @@ def test_a_snapshot_sent_while_the_live_weights_change_arrives_bit_identical(tra
     check_bit_identical(reports, trainers, source)
     # sent from the snapshot's own memory: no bucket was packed into a staging buffer
     assert [r["staged_on"] for r in reports if r["role"] == "trainer"] == [[]] * trainers
+
+
+@pytest.mark.parametrize("trainers, source", [(1, "gather"), (2, "gather"), (2, "shards")])
+def test_a_delta_sync_from_every_source_mode_arrives_bit_identical_in_a_share_of_the_bytes(trainers, source):
+    """transport.delta=on: after a dense version 5, version 6 (every 37th element of every shard moved)
+    goes out as a delta, gathered from FSDP shards or from each rank's own shards over its own group."""
+    reports = _run(trainers, source, delta=True)
+    senders = [r for r in reports if r["role"] == "trainer" and r["sent"] is not None]
+    trainer0 = next(r for r in reports if r["role"] == "trainer" and r["rank"] == 0)
+    sent = sum(r["sent"] for r in senders)
+    assert 0 < sent < 0.25 * trainer0["manifest_bytes"], (sent, trainer0["manifest_bytes"])
+    assert all(0.02 < r["changed"] < 0.04 for r in senders), [r["changed"] for r in senders]
+    for r in (x for x in reports if x["role"] == "receiver"):
+        assert r["rejected"] is None
+        assert r["weights"] == trainer0["weights"]  # version 6, exact, every element
+        assert r["received"] == sent and r["group_bytes"] == trainer0["manifest_bytes"] + sent
 
 
 def test_checksum_mismatch_rejects_the_version_and_keeps_the_previous_weights():

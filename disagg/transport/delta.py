@@ -1,0 +1,195 @@
+"""Exact delta encoding of one bucket against the image the receivers hold.
+
+Between two RL steps most bf16 values of a model do not change at all. A delta
+sync sends, per bucket, only the elements whose bits differ from the previous
+version's bucket, in the smallest of four forms:
+
+- ``SAME``: nothing changed, nothing is sent;
+- ``INDEX``: the changed positions (int32) then their new values;
+- ``MASK``: one bit per element (little-endian within a byte) then the new values
+  of the set bits, in position order;
+- ``DENSE``: the whole bucket, where a delta would not be smaller.
+
+Elements are compared by their raw bits, so the result is exact for every value
+(``-0.0`` against ``0.0``, NaNs of any payload): ``apply`` onto the same base
+gives back the new bucket bit for bit. A payload is one flat ``uint8`` buffer
+(indices or mask first, padded to 4 bytes, then the values), so one broadcast
+carries it whatever the bucket's dtype.
+
+This module is pure tensor work (the same code on CPU and on GPU buffers): it
+never communicates and never imports vLLM or Ray.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+from disagg.transport.manifest import Manifest
+
+_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_INDEX_BYTES = 4  # int32 positions: a bucket holds fewer than 2**31 elements
+_BITS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+
+
+class Form(enum.IntEnum):
+    """How one bucket of a delta sync goes on the wire."""
+
+    SAME = 0
+    INDEX = 1
+    MASK = 2
+    DENSE = 3
+
+
+def _align(n: int) -> int:
+    return (n + 3) // 4 * 4
+
+
+def payload_bytes(form: Form, numel: int, changed: int, item: int) -> int:
+    """Bytes on the wire for a bucket of ``numel`` elements of ``item`` bytes, ``changed`` of them new."""
+    if form is Form.SAME:
+        return 0
+    if form is Form.INDEX:
+        return _INDEX_BYTES * changed + item * changed
+    if form is Form.MASK:
+        return _align((numel + 7) // 8) + item * changed
+    return item * numel
+
+
+def choose_form(numel: int, changed: int, item: int) -> Form:
+    """The form with the fewest bytes (dense on a tie: it needs no decoding)."""
+    if changed == 0:
+        return Form.SAME
+    sizes = {f: payload_bytes(f, numel, changed, item) for f in (Form.DENSE, Form.INDEX, Form.MASK)}
+    return min(sizes, key=lambda f: (sizes[f], f is not Form.DENSE))
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    flat = t.reshape(-1)
+    return flat.view(_INT_VIEW[flat.element_size()])
+
+
+def changed_mask(new: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+    """Where the raw bits of ``new`` and ``base`` (1-D, same dtype and size) differ."""
+    if new.shape != base.shape or new.dtype != base.dtype:
+        raise ValueError(f"delta of a {new.dtype} x {tuple(new.shape)} bucket against a base of "
+                         f"{base.dtype} x {tuple(base.shape)}")
+    return _bits(new) != _bits(base)
+
+
+@dataclass(frozen=True)
+class BucketDelta:
+    """One encoded bucket: its form, how many elements changed, and the bytes to send."""
+
+    form: Form
+    numel: int
+    changed: int
+    payload: torch.Tensor | None  # uint8; None for SAME, and for DENSE (the bucket itself is sent)
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.payload is None else self.payload.numel()
+
+
+def _pack_mask(mask: torch.Tensor) -> torch.Tensor:
+    n = mask.numel()
+    padded = torch.zeros(_align((n + 7) // 8) * 8, dtype=torch.uint8, device=mask.device)
+    padded[:n] = mask.to(torch.uint8)
+    return (padded.view(-1, 8) * _BITS.to(mask.device)).sum(dim=1, dtype=torch.uint8)
+
+
+def _unpack_mask(packed: torch.Tensor, numel: int) -> torch.Tensor:
+    bits = packed.unsqueeze(1).bitwise_and(_BITS.to(packed.device)).ne(0)
+    return bits.reshape(-1)[:numel]
+
+
+def encode(new: torch.Tensor, base: torch.Tensor, force_dense: bool = False) -> BucketDelta:
+    """The delta that turns ``base`` into ``new`` (1-D buckets of one dtype), in its smallest form.
+
+    One pass compares the two; one host read learns how many elements changed (the
+    form depends on it). ``force_dense`` skips the comparison."""
+    numel, item = new.numel(), new.element_size()
+    if force_dense:
+        return BucketDelta(Form.DENSE, numel, numel, None)
+    mask = changed_mask(new, base)
+    changed = int(mask.sum())
+    form = choose_form(numel, changed, item)
+    if form in (Form.SAME, Form.DENSE):
+        return BucketDelta(form, numel, changed, None)
+    values = new[mask].view(torch.uint8)
+    if form is Form.INDEX:
+        where = mask.nonzero().reshape(-1).to(torch.int32).view(torch.uint8)
+    else:
+        where = _pack_mask(mask)
+    return BucketDelta(form, numel, changed, torch.cat([where, values]))
+
+
+def apply(base: torch.Tensor, form: Form, changed: int, payload: torch.Tensor | None) -> None:
+    """Turn ``base`` (1-D) into the new bucket in place, from a payload ``encode`` made against it.
+
+    ``DENSE`` payloads are the new bucket itself (of ``base``'s dtype); the others are ``uint8``."""
+    numel, item = base.numel(), base.element_size()
+    if form is Form.SAME:
+        return
+    want = payload_bytes(form, numel, changed, item)
+    got = 0 if payload is None else payload.numel() * payload.element_size()
+    if got != want:
+        raise ValueError(f"{form.name} payload of {got} bytes for a bucket of {numel} elements with {changed} "
+                         f"changed: expected {want}")
+    if form is Form.DENSE:
+        base.copy_(payload.view(base.dtype))
+        return
+    if form is Form.INDEX:
+        split = _INDEX_BYTES * changed
+        where = payload[:split].view(torch.int32).to(torch.int64)
+        base.index_copy_(0, where, payload[split:].view(base.dtype))
+        return
+    split = _align((numel + 7) // 8)
+    mask = _unpack_mask(payload[:split], numel)
+    base.masked_scatter_(mask, payload[split:].view(base.dtype))
+
+
+class DeltaImage:
+    """The buckets of the version a delta sync's receivers hold, in wire layout: what the sender
+    diffs against and what each receiver applies onto (one flat buffer per dtype, every bucket a
+    slice of it). ``version`` is the policy version it holds, None while it holds none (never
+    filled, a sync into it failed half-way, or the caller invalidated it): the next sync is then dense.
+
+    It costs one copy of the weights in the wire dtype on its device."""
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self.version: int | None = None
+        self._layout: str | None = None
+        self._buckets: list[torch.Tensor] = []
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._buckets)
+
+    def holds(self, manifest: Manifest, version: int) -> bool:
+        """Whether it holds exactly ``version`` in the layout of ``manifest``."""
+        return self.version == version and self._layout == manifest.layout_digest()
+
+    def buckets(self, manifest: Manifest) -> list[torch.Tensor]:
+        """Bucket ``i`` of ``manifest`` as a 1-D view; a new layout gets fresh (zeroed) buffers and no version."""
+        digest = manifest.layout_digest()
+        if digest != self._layout:
+            self.version, self._layout, self._buckets = None, None, []
+            sizes: dict[str, int] = {}
+            for plan in manifest.buckets:
+                sizes[plan.dtype] = sizes.get(plan.dtype, 0) + plan.numel
+            flats = {dt: torch.zeros(n, dtype=getattr(torch, dt), device=self.device) for dt, n in sizes.items()}
+            offsets = dict.fromkeys(sizes, 0)
+            for plan in manifest.buckets:
+                at = offsets[plan.dtype]
+                self._buckets.append(flats[plan.dtype][at : at + plan.numel])
+                offsets[plan.dtype] = at + plan.numel
+            self._layout = digest
+        return self._buckets
+
+    def invalidate(self) -> None:
+        """Hold no version: the next sync through it is dense."""
+        self.version = None

@@ -1,0 +1,75 @@
+"""Exact delta encoding of a bucket (disagg/transport/delta.py): every form gives back the new
+bucket bit for bit, is chosen by its size on the wire, and refuses a payload of the wrong size."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from disagg.transport.delta import Form, apply, changed_mask, choose_form, encode, payload_bytes
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)
+
+
+def _step(base: torch.Tensor, fraction: float, seed: int) -> torch.Tensor:
+    """``base`` with about ``fraction`` of its elements moved, as a small optimizer step would."""
+    g = torch.Generator().manual_seed(seed)
+    moved = torch.rand(base.numel(), generator=g) < fraction
+    new = base.clone()
+    new[moved] = (base[moved].float() * 1.01 + 1e-3).to(base.dtype)
+    return new
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("fraction, form", [(0.0, Form.SAME), (0.004, Form.INDEX), (0.2, Form.MASK),
+                                            (0.97, Form.DENSE)])
+def test_each_form_rebuilds_the_new_bucket_bit_for_bit(dtype, fraction, form):
+    base = torch.randn(10_003, generator=torch.Generator().manual_seed(0)).to(dtype)
+    new = _step(base, fraction, seed=1)
+    d = encode(new, base)
+    assert d.form is form, (d.form, d.changed)
+    assert d.changed == int((_bits(new) != _bits(base)).sum())
+    assert d.nbytes == (payload_bytes(form, new.numel(), d.changed, new.element_size()) if form is not Form.DENSE
+                        else 0)
+    got = base.clone()
+    apply(got, d.form, d.changed, new if d.form is Form.DENSE else d.payload)
+    assert torch.equal(_bits(got), _bits(new))
+
+
+def test_signed_zeros_and_nans_are_compared_by_their_bits():
+    base = torch.tensor([0.0, 1.0, float("nan"), 2.0, 3.0], dtype=torch.bfloat16)
+    new = torch.tensor([-0.0, 1.0, float("nan"), 2.0, 3.5], dtype=torch.bfloat16)
+    new_bits = new.view(torch.int16).clone()
+    new_bits[2] = base.view(torch.int16)[2] ^ 1  # another NaN payload: a different value to the receiver
+    new = new_bits.view(torch.bfloat16)
+    assert changed_mask(new, base).tolist() == [True, False, True, False, True]
+    d = encode(new, base)
+    got = base.clone()
+    apply(got, d.form, d.changed, new if d.form is Form.DENSE else d.payload)
+    assert torch.equal(got.view(torch.int16), new.view(torch.int16))
+
+
+def test_the_form_is_the_smallest_on_the_wire():
+    n, item = 4096, 2
+    for changed in range(0, n + 1, 37):
+        f = choose_form(n, changed, item)
+        sizes = {g: payload_bytes(g, n, changed, item) for g in (Form.INDEX, Form.MASK, Form.DENSE)}
+        assert f is Form.SAME if changed == 0 else sizes[f] == min(sizes.values()), (changed, f, sizes)
+    # bf16: index lists up to 1/32 of the elements, a bit mask beyond, dense past 15/16
+    assert choose_form(n, n // 32 - 1, item) is Form.INDEX and choose_form(n, n // 32 + 1, item) is Form.MASK
+    assert choose_form(n, n * 15 // 16 - 1, item) is Form.MASK and choose_form(n, n * 15 // 16 + 1, item) is Form.DENSE
+
+
+def test_force_dense_skips_the_comparison_and_a_wrong_payload_size_is_refused():
+    base = torch.zeros(100, dtype=torch.bfloat16)
+    new = _step(base, 0.02, seed=2)
+    assert encode(new, base, force_dense=True).form is Form.DENSE
+    d = encode(new, base)
+    assert d.form is Form.INDEX
+    with pytest.raises(ValueError, match="INDEX payload of .* bytes for a bucket of 100 elements"):
+        apply(base.clone(), d.form, d.changed, d.payload[:-2])
+    with pytest.raises(ValueError, match="delta of a torch.bfloat16 x \\(100,\\) bucket against a base of "
+                                         "torch.float32"):
+        encode(new, base.float())
