@@ -6,6 +6,8 @@ parameter and Ray's object store (``disagg/bench/transport.py``).
 generation vs after it, asynchronous vs synchronous training (``disagg/bench/pipeline.py``).
 ``vllm-sync``: a sync into a real vLLM engine phase by phase, against a raw broadcast
 over the same group, per ``transport.load`` mode (``disagg/bench/vllm_sync.py``).
+``delta``: delta syncs (``transport.delta``) against dense ones step by step, while a model
+trains at a learning rate of your choosing (``disagg/bench/delta.py``).
 ``soak``: a long ``disagg train`` with a pause/resume and an engine kill, RSS over
 time and the fault counts (``disagg/bench/soak.py``; not in CI).
 """
@@ -17,6 +19,7 @@ import sys
 BENCHMARKS = {"transport": "weight sync vs raw broadcast, per-parameter broadcast and Ray's object store",
               "pipeline": "stream vs batch on a long tail, reward overlap, async vs sync (CPU or --device cuda)",
               "vllm-sync": "a sync into a real vLLM engine, phase by phase, vs a raw broadcast over the same group",
+              "delta": "delta syncs vs dense ones while a model trains: changed fraction, bytes, seconds",
               "soak": "a long `disagg train` with a pause/resume and an engine kill: RSS over time, nothing lost"}
 
 
@@ -31,6 +34,10 @@ def main(argv: list[str]) -> int:
         from disagg.bench.soak import main as soak_main
 
         return soak_main(argv[1:])
+    if argv[0] == "delta":
+        from disagg.bench.delta import main as delta_main
+
+        return delta_main(argv[1:])
     if argv[0] == "vllm-sync":
         from disagg.bench.vllm_sync import main as vllm_sync_main
 

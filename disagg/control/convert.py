@@ -9,8 +9,11 @@ field mapping: validation belongs to the coordinator's state.
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 from disagg.transport.manifest import BucketEntry, BucketPlan, Manifest, TensorSpec
-from disagg.control.types import RUN_FIELDS, ClusterStatus, EngineInfo, EngineState, EngineStatus, Event, PoolStatus
+from disagg.control.types import (RUN_FIELDS, ClusterStatus, EngineInfo, EngineState, EngineStatus, Event, LastSync,
+                                  PoolStatus)
 
 
 
@@ -172,6 +175,7 @@ def status_to_proto(s: ClusterStatus) -> pb.Status:
         **{k: getattr(s, k) for k in RUN_FIELDS},
         events=[pb.Event(unix_s=e.unix_s, kind=e.kind, message=e.message) for e in s.events],
         metrics_url=s.metrics_url,
+        last_sync=None if s.last_sync is None else pb.LastSync(**asdict(s.last_sync)),
     )
 
 
@@ -188,4 +192,6 @@ def status_from_proto(p: pb.Status) -> ClusterStatus:
         **{k: getattr(p, k) for k in RUN_FIELDS},
         events=tuple(Event(e.unix_s, e.kind, e.message) for e in p.events),
         metrics_url=p.metrics_url,
+        last_sync=LastSync(p.last_sync.step, p.last_sync.bytes, p.last_sync.bytes_on_wire, p.last_sync.delta,
+                           p.last_sync.changed_fraction, p.last_sync.seconds) if p.HasField("last_sync") else None,
     )

@@ -176,6 +176,15 @@ def _console() -> Console:
     return console if console.is_terminal else Console(width=160)  # piped: don't squeeze into 80 columns
 
 
+def _last_sync(s) -> str:
+    """The latest step's weight sync in a line: its mode and what went on the wire."""
+    if s is None:
+        return "-"
+    how = (f"delta ({s.changed_fraction:.2%} of the elements changed)" if s.delta else "dense")
+    return (f"step {s.step}: {how}, {s.bytes_on_wire / 1e6:.3g} of {s.bytes / 1e6:.3g} MB on the wire, "
+            f"{s.seconds:.3f} s")
+
+
 def render_status(status: ClusterStatus, console: Console) -> None:
     """Print the header, the pools table and the engines table."""
     now = time.time()
@@ -195,6 +204,7 @@ def render_status(status: ClusterStatus, console: Console) -> None:
     header.add_row("rollout", ("paused" if status.rollout_paused else "running") + scaling)
     header.add_row("groups", f"{status.inflight_groups} in flight, {status.buffer_groups} ready to train")
     header.add_row("metrics", status.metrics_url or "no Prometheus endpoint (control.metrics_port=null)")
+    header.add_row("last sync", _last_sync(status.last_sync))
     console.print(header)
 
     pools = Table(title="pools", title_justify="left")

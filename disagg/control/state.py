@@ -28,6 +28,7 @@ from disagg.control.types import (
     EngineState,
     EngineStatus,
     Event,
+    LastSync,
     PoolStatus,
 )
 from disagg.errors import ControlError
@@ -464,6 +465,8 @@ class CoordinatorState:
                 events=tuple(self._events),
                 training_groups=self._run["training_groups"],
                 metrics_url=self._metrics_url,
+                last_sync=next((x for step, m in reversed(self._metrics)
+                                if (x := LastSync.from_metrics(step, m)) is not None), None),
             )
 
     def _committed_locked(self) -> int:

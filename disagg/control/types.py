@@ -90,6 +90,27 @@ RUN_FIELDS = ("trainer_version", "buffer_groups", "inflight_groups", "rollout_pa
 
 
 @dataclass(frozen=True)
+class LastSync:
+    """The latest step's weight sync, from its metrics (``disagg ctl status``)."""
+
+    step: int
+    bytes: int  # what the version weighs
+    bytes_on_wire: int  # what was sent: fewer for a delta (transport.delta)
+    delta: bool
+    changed_fraction: float  # of the elements, for a delta; -1 for a dense sync
+    seconds: float
+
+    @staticmethod
+    def from_metrics(step: int, m: dict[str, float]) -> "LastSync | None":
+        """From a step's metrics; None for a step without a sync (``weight_sync/skipped``)."""
+        if "weight_sync/bytes" not in m or m.get("weight_sync/skipped"):
+            return None
+        return LastSync(step, int(m["weight_sync/bytes"]), int(m.get("weight_sync/bytes_on_wire", m["weight_sync/bytes"])),
+                        bool(m.get("weight_sync/delta", 0)), float(m.get("weight_sync/changed_fraction", -1.0)),
+                        float(m.get("timing/weight_sync_s", 0.0)))
+
+
+@dataclass(frozen=True)
 class ClusterStatus:
     """A snapshot of the coordinator: what ``GetStatus`` and ``disagg ctl status`` show."""
 
@@ -111,6 +132,7 @@ class ClusterStatus:
     events: tuple[Event, ...] = ()  # the latest events, oldest first
     training_groups: int = 0  # groups handed to the trainer whose step's weights are not synced yet
     metrics_url: str = ""  # the coordinator's Prometheus endpoint; "" when control.metrics_port is null
+    last_sync: LastSync | None = None  # the latest step's weight sync; None before the first
 
     def engine(self, engine_id: int) -> EngineStatus:
         for e in self.engines:
@@ -141,4 +163,5 @@ class ClusterStatus:
             **{k: d[k] for k in RUN_FIELDS if k in d},
             events=tuple(Event(**e) for e in d.get("events", ())),
             metrics_url=d.get("metrics_url", ""),
+            last_sync=LastSync(**d["last_sync"]) if d.get("last_sync") else None,
         )

@@ -114,15 +114,15 @@ def encode(new: torch.Tensor, base: torch.Tensor, force_dense: bool = False) -> 
     if force_dense:
         return BucketDelta(Form.DENSE, numel, numel, None)
     mask = changed_mask(new, base)
-    changed = int(mask.sum())
+    changed = int(mask.count_nonzero())  # (a bool sum is 20x slower on CPU)
     form = choose_form(numel, changed, item)
     if form in (Form.SAME, Form.DENSE):
         return BucketDelta(form, numel, changed, None)
-    values = new[mask].view(torch.uint8)
     if form is Form.INDEX:
-        where = mask.nonzero().reshape(-1).to(torch.int32).view(torch.uint8)
+        at = mask.nonzero().reshape(-1)
+        where, values = at.to(torch.int32).view(torch.uint8), new.index_select(0, at).view(torch.uint8)
     else:
-        where = _pack_mask(mask)
+        where, values = _pack_mask(mask), new[mask].view(torch.uint8)
     return BucketDelta(form, numel, changed, torch.cat([where, values]))
 
 

@@ -257,6 +257,7 @@ class WeightSender:
         source = _TensorSource(manifest, named_tensors) if fill is None and views is None and packs is None else None
         return _Packer(manifest, views, slots, fill, packs, source, self._after_pack is None)
 
+    @torch.no_grad()
     def send(self, manifest: Manifest, named_tensors: NamedTensors | None = None,
              fill: BucketFill | None = None) -> SendStats:
         """Send every bucket of ``manifest`` in order; every receiver must be receiving.
@@ -310,6 +311,7 @@ class WeightSender:
         return stats
 
 
+    @torch.no_grad()
     def send_delta(self, manifest: Manifest, image: DeltaImage, named_tensors: NamedTensors | None = None,
                    fill: BucketFill | None = None) -> SendStats:
         """Send ``manifest``'s version as the changes from the version ``image`` holds; every receiver

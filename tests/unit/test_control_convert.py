@@ -7,7 +7,7 @@ import pytest
 
 from disagg.control import convert
 from disagg.control.convert import pb
-from disagg.control.types import ClusterStatus, EngineInfo, EngineState, EngineStatus, Event, PoolStatus
+from disagg.control.types import ClusterStatus, EngineInfo, EngineState, EngineStatus, Event, LastSync, PoolStatus
 from disagg.transport.manifest import TensorSpec, plan_buckets
 
 
@@ -84,6 +84,7 @@ def _status() -> ClusterStatus:
         training_groups=4,
         events=(Event(1700000003.0, "engine_dead", "engine 1: stuck: no answer to a health check for 60 s"),
                 Event(1700000003.25, "engine_replaced", "engine 2 starts in place of engine 1")),
+        last_sync=LastSync(12, 3_000_000, 41_000, True, 0.0123, 0.25),
     )
 
 
@@ -135,3 +136,22 @@ def test_a_source_tree_without_stubs_generates_them_on_import(tmp_path):
     pkg, stub, value = out.stdout.split()
     assert pkg.startswith(str(tmp_path)) and stub == str(tmp_path / "disagg/control/_proto/coordinator_pb2.py")
     assert value == "3"
+
+
+def test_the_last_sync_comes_from_the_latest_step_that_synced_and_ctl_status_shows_its_mode():
+    from disagg.control.ctl import _last_sync
+    from disagg.control.state import CoordinatorState
+
+    state = CoordinatorState(max_staleness=1)
+    assert state.status().last_sync is None
+    delta = {"weight_sync/bytes": 3e6, "weight_sync/bytes_on_wire": 41e3, "weight_sync/delta": 1,
+             "weight_sync/changed_fraction": 0.0123, "timing/weight_sync_s": 0.25, "weight_sync/skipped": 0}
+    state.publish_metrics(7, {"weight_sync/bytes": 3e6, "weight_sync/delta": 0, "timing/weight_sync_s": 0.5})
+    assert state.status().last_sync == LastSync(7, 3_000_000, 3_000_000, False, -1.0, 0.5)
+    state.publish_metrics(8, delta)
+    state.publish_metrics(9, {**delta, "weight_sync/skipped": 1, "weight_sync/bytes": 0})  # no sync at step 9
+    last = state.status().last_sync
+    assert last == LastSync(8, 3_000_000, 41_000, True, 0.0123, 0.25)
+    assert _last_sync(last) == "step 8: delta (1.23% of the elements changed), 0.041 of 3 MB on the wire, 0.250 s"
+    assert _last_sync(LastSync(7, 3_000_000, 3_000_000, False, -1.0, 0.5)).startswith("step 7: dense, 3 of 3 MB")
+
