@@ -225,10 +225,11 @@ class DisaggWeightTransferEngine(WeightTransferEngine[DisaggInitInfo, DisaggUpda
                     self._times["armed_wait_s"] = max(self._times.get("armed_wait_s", 0.0), time.perf_counter() - t)
                     self._times["armed_go_unix_s"] = time.time()  # the sync's part starts here
         try:
-            # vLLM's layerwise reload finishes a layer once all its weights came: a delta loads them all
+            # A delta loads every tensor where vLLM's layerwise reload needs whole layers, and where a
+            # copy plan is being learned (it must see every tensor); direct loads replay only what changed.
             stats = receive_model(self.groups, manifest, self._load, device=self.device, source=self.info.source,
                                   num_buffers=self.info.num_buffers, verify=self.info.verify, go=go,
-                                  images=self.images, load_unchanged=self.load_mode != "direct")
+                                  images=self.images, load_unchanged=self.load_mode != "direct" or learning)
         except SyncCancelled as e:  # before any byte moved: the model is untouched
             self._learning = None
             self.last_stats["cancelled"] = str(e)

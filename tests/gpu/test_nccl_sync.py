@@ -5,7 +5,7 @@ per process (trainers first, then 2 receivers), and over gloo between processes 
 import pytest
 import torch
 
-from tests.integration.test_sync_modes import _run, check_bit_identical
+from tests.integration.test_sync_modes import _run, check_bit_identical, check_delta
 
 pytestmark = pytest.mark.gpu
 
@@ -27,6 +27,14 @@ def test_nccl_snapshot_sent_beside_the_next_step_is_bit_identical(trainers, sour
     reports = _run(trainers, source, backend="nccl", receivers=receivers, overlap=True)
     check_bit_identical(reports, trainers, source)
     assert [r["staged_on"] for r in reports if r["role"] == "trainer"] == [[]] * trainers  # sent as views
+
+
+@pytest.mark.parametrize("trainers, source", [(1, "gather"), (2, "shards")])
+def test_nccl_delta_sync_is_bit_identical_in_a_share_of_the_bytes(trainers, source):
+    # transport.delta=on over NCCL: the comparison, the payloads and their application on the GPUs
+    if torch.cuda.device_count() < trainers + 1:
+        pytest.skip(f"needs {trainers + 1} GPUs, have {torch.cuda.device_count()}")
+    check_delta(_run(trainers, source, backend="nccl", receivers=1, delta=True))
 
 
 def test_nccl_checksum_mismatch_rejects_the_version():

@@ -2,8 +2,9 @@
 
 The trainer puts bf16 on the wire with a small learning rate, so most bf16 values stay the same
 from one step to the next, as in RL post-training. The first sync is dense (the engine holds
-nothing); every step's sync after it is a delta, a share of the bytes; and the engine serves
-exactly the trainer's weights of the last version, rounded to bf16.
+nothing); every step's sync after it is a delta, a share of the bytes, armed at staleness 0 and
+from the step's snapshot at staleness 1; and the engine serves exactly the trainer's weights of
+the last version, rounded to bf16.
 """
 
 from __future__ import annotations
@@ -35,8 +36,14 @@ def test_syncs_after_the_first_send_only_what_changed_and_the_engine_serves_the_
     first = job.sync_weights(1, trainer_step=0)
     assert first.changed_fraction is None and first.wire_bytes == first.bytes  # nothing held yet: dense
     before = ray.get(job.trainer.rank0.full_state_dict.remote(), timeout=120)
+    # Staleness 0: the engines' receives wait armed on the group while each step trains. Then
+    # staleness 1: each push sends the copy its step took while the next step trains.
+    job.coordinator.state.set_max_staleness(0)
     records = make_pipeline(job.cfg, job, tok).run(4, first_step=1)
-    assert [r["weight_sync/delta"] for r in records] == [1, 1, 1, 1]
+    job.coordinator.state.set_max_staleness(1)
+    records += make_pipeline(job.cfg, job, tok).run(3, first_step=5)
+    assert [r["weight_sync/armed"] for r in records] == [1, 1, 1, 1, 0, 0, 0]
+    assert [r["weight_sync/delta"] for r in records] == [1] * 7
     for r in records:
         assert 0 < r["weight_sync/changed_fraction"] < 0.5, r["weight_sync/changed_fraction"]
         assert 0 < r["weight_sync/bytes_on_wire"] < 0.5 * r["weight_sync/bytes"], r
@@ -47,9 +54,9 @@ def test_syncs_after_the_first_send_only_what_changed_and_the_engine_serves_the_
     (res,) = ray.get(job.rollout.engines[0].generate.remote([GenRequest("delta", tuple(prompt), greedy)]),
                      timeout=120)
     c = res.completions[0]
-    assert set(c.token_versions) == {5}
+    assert set(c.token_versions) == {8}
     got = torch.tensor(c.logprobs)
-    err = (replay_logprobs(job.model_path, {5: final}, prompt, c.response_ids, [5] * 8,
+    err = (replay_logprobs(job.model_path, {8: final}, prompt, c.response_ids, [8] * 8,
                            engine_dtype=torch.bfloat16) - got).abs().max().item()
     stale = (replay_logprobs(job.model_path, {1: before}, prompt, c.response_ids, [1] * 8,
                              engine_dtype=torch.bfloat16) - got).abs().max().item()

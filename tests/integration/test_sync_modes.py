@@ -281,7 +281,11 @@ def test_a_snapshot_sent_while_the_live_weights_change_arrives_bit_identical(tra
 def test_a_delta_sync_from_every_source_mode_arrives_bit_identical_in_a_share_of_the_bytes(trainers, source):
     """transport.delta=on: after a dense version 5, version 6 (every 37th element of every shard moved)
     goes out as a delta, gathered from FSDP shards or from each rank's own shards over its own group."""
-    reports = _run(trainers, source, delta=True)
+    check_delta(_run(trainers, source, delta=True))
+
+
+def check_delta(reports: list[dict]) -> None:
+    """What must hold after ``_run(..., delta=True)`` (shared with the NCCL test)."""
     senders = [r for r in reports if r["role"] == "trainer" and r["sent"] is not None]
     trainer0 = next(r for r in reports if r["role"] == "trainer" and r["rank"] == 0)
     sent = sum(r["sent"] for r in senders)
