@@ -200,13 +200,15 @@ class TransportConfig:
     thread of its own while the next step trains. Costs one more copy of the (local) parameters
     on each trainer worker; not with ``source=gather`` over several workers (the gather is a
     collective of the trainer ranks), which then pushes between steps as with false."""
-    delta: Literal["off", "on"] = "off"
+    delta: Literal["off", "on", "auto"] = "off"
     """'on': each sync sends only the elements whose bits changed since the version every engine
     holds (index lists or bit masks per bucket, a bucket dense where that is smaller), exactly: the
     engines apply it onto their copy of that version, refuse one made against another, and get a
     dense sync after joining or after a failed sync. For trainer and engines on different nodes,
     where the bytes decide the sync's time. Costs one copy of the weights in the wire dtype on each
-    trainer worker and each engine worker, and a comparison pass per sync. 'off': every sync dense."""
+    trainer worker and each engine worker, and a comparison pass per sync. 'auto': the same copies,
+    and each sync goes as a delta or dense, whichever the syncs before took less time for (a delta
+    tried again every 8 dense syncs; ``weight_sync/delta`` says which). 'off': every sync dense."""
     arm: bool = True
     """With ``algorithm.max_staleness`` = 0 (the engines idle while the trainer trains): every engine's
     receive of the coming version waits on the transport group during the train step, so the sync

@@ -19,7 +19,7 @@ class TrainerPush:
     def init_transport(self, *, host: str, port: int, world_size: int, backend: str, timeout_s: float,
                        group_name: str) -> None:
         """Join this rank's source group as its rank 0 (hosting its TCPStore)."""
-        from disagg.transport.delta import DeltaImage
+        from disagg.transport.delta import DeltaChooser, DeltaImage
         from disagg.transport.group import create_group
         from disagg.transport.sender import WeightSender
 
@@ -31,7 +31,8 @@ class TrainerPush:
         self.sender = WeightSender(self.group, 0, self.transport_cfg.num_buffers, self.transport_cfg.verify,
                                    device=self.device)
         # A new group's engines hold nothing of ours: its first sync is dense.
-        self.delta_image = DeltaImage(self.device) if self.transport_cfg.delta == "on" else None
+        self.delta_image = DeltaImage(self.device) if self.transport_cfg.delta != "off" else None
+        self.delta_chooser = DeltaChooser() if self.transport_cfg.delta == "auto" else None
 
     def manifest(self, policy_version: int) -> dict:
         """The full-tensor manifest of this model at ``policy_version`` (layout only; no collective)."""
@@ -115,10 +116,14 @@ class TrainerPush:
         if image is not None and image.version is not None and policy_version <= image.version:
             image.invalidate()  # sent again after a failure: an engine may hold something else, so dense
 
+        chooser = self.delta_chooser
+        dense = chooser is not None and not chooser.delta_next()
+
         def send(tensors: dict[str, torch.Tensor]):
             return send_model(self.group, self.model, m, source=self.transport_cfg.source, trainer_rank=self.rank,
                               num_trainer_ranks=self.world_size, num_buffers=self.transport_cfg.num_buffers,
-                              verify=self.transport_cfg.verify, sender=self.sender, params=tensors, image=image)
+                              verify=self.transport_cfg.verify, sender=self.sender, params=tensors, image=image,
+                              dense=dense)
 
         if arm_id and go_timeout_s is None and self.group is not None:
             # (an armed push's go woke the engines too: Job._go sets both words)
@@ -134,6 +139,8 @@ class TrainerPush:
             if self.device.type == "cuda":
                 out["peak_extra_bytes"] = torch.cuda.max_memory_allocated(self.device) - base
         out.update(seconds=time.perf_counter() - t0, bytes=0, num_buckets=0)
+        if stats is not None and chooser is not None:
+            chooser.record(stats.delta_base != 0, stats.seconds)
         if stats is not None:
             out.update(bytes=stats.dense_bytes, wire_bytes=stats.bytes, send_s=stats.seconds,
                        num_buckets=stats.num_buckets, group_bytes_sent=self.group.bytes_sent,

@@ -193,3 +193,32 @@ class DeltaImage:
     def invalidate(self) -> None:
         """Hold no version: the next sync through it is dense."""
         self.version = None
+
+
+class DeltaChooser:
+    """``transport.delta=auto``: whether the next sync of one sender goes as a delta or dense, from
+    what its syncs took. The model's bytes are the same every sync, so a dense sync's seconds and
+    a delta's compare as they are. Dense first (nothing is held yet, and it measures the dense
+    time); then one delta, to measure it; then whichever was faster last, trying a delta again
+    after ``probe_every`` dense syncs in a row, since the share of values that change drifts as
+    training goes on."""
+
+    def __init__(self, probe_every: int = 8) -> None:
+        self.probe_every = probe_every
+        self.dense_s: float | None = None
+        self.delta_s: float | None = None
+        self.dense_in_row = 0
+
+    def delta_next(self) -> bool:
+        if self.dense_s is None:
+            return False
+        if self.delta_s is None or self.dense_in_row >= self.probe_every:
+            return True
+        return self.delta_s < self.dense_s
+
+    def record(self, delta: bool, seconds: float) -> None:
+        """A sync went out (``delta``: as a delta) and took ``seconds`` on the sender."""
+        if delta:
+            self.delta_s, self.dense_in_row = seconds, 0
+        else:
+            self.dense_s, self.dense_in_row = seconds, self.dense_in_row + 1

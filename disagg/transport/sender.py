@@ -25,7 +25,7 @@ import torch
 from disagg import faults
 from disagg.transport.buckets import (bucket_buffers, bucket_checksum, contiguous_bucket, dtype_name, pack_bucket,
                                      torch_dtype)
-from disagg.transport.delta import DeltaImage, Form, encode
+from disagg.transport.delta import BucketDelta, DeltaImage, Form, encode
 from disagg.transport.group import TransportGroup
 from disagg.transport.manifest import DTYPE_BYTES, BucketPlan, Manifest, TensorSpec, plan_buckets
 
@@ -67,6 +67,7 @@ class SendStats:
     dense_bytes: int = 0  # what the version weighs (== bytes unless sent as a delta)
     delta_base: int = 0  # the version a delta was made against; 0: dense
     changed_fraction: float | None = None  # of the elements, against delta_base (None: dense, not compared)
+    encode_s: float = 0.0  # of seconds, a delta's packing and comparing before its first byte left
 
 
 def header_for(manifest: Manifest) -> list[int]:
@@ -313,38 +314,45 @@ class WeightSender:
 
     @torch.no_grad()
     def send_delta(self, manifest: Manifest, image: DeltaImage, named_tensors: NamedTensors | None = None,
-                   fill: BucketFill | None = None) -> SendStats:
+                   fill: BucketFill | None = None, dense: bool = False) -> SendStats:
         """Send ``manifest``'s version as the changes from the version ``image`` holds; every receiver
-        must be in ``receive_delta`` with its own image. Dense where ``image`` holds no version.
+        must be in ``receive_delta`` with its own image. Dense where ``image`` holds no version, or
+        with ``dense`` (``transport.delta=auto`` finding dense faster); the image then follows anyway.
 
-        Every bucket is packed and compared with the image first (the receivers need each bucket's
-        form and size before its bytes); the image then holds the new version. The wire carries a
-        header of four numbers (``header_for`` and the base version, 0 for dense), a table of
-        (form, changed elements) per bucket, then one payload per bucket that changed (``delta``);
-        with ``verify``, each is followed by the checksum of the whole new bucket. A failed send
-        leaves the image holding no version. Sources and errors as in ``send``."""
+        A delta packs and compares every bucket with the image first (the receivers need each
+        bucket's form and size before its bytes). A dense sync knows every size up front: each
+        bucket goes out as it is packed, from the image's copy of it. The wire carries a header of
+        four numbers (``header_for`` and the base version, 0 for dense), a table of (form, changed
+        elements) per bucket, then one payload per bucket that changed (``delta``); with ``verify``,
+        each is followed by the checksum of the whole new bucket. A failed send leaves the image
+        holding no version. Sources and errors as in ``send``."""
         if (named_tensors is None) == (fill is None):
             raise ValueError("WeightSender.send_delta needs exactly one of named_tensors and fill")
         t0 = time.perf_counter()
         group, src = self.group, self.src
         bufs = image.buckets(manifest)  # a new layout holds no version
-        base, image.version = image.version, None
+        base, image.version = None if dense else image.version, None
         pack = self._packer(manifest, named_tensors, fill)
-        deltas = []
-        for i, plan in enumerate(manifest.buckets):
-            packed = pack(i)
-            d = encode(packed, bufs[i], force_dense=base is None)
-            if d.form is not Form.SAME:
-                bufs[i].copy_(packed)
-            deltas.append(d)
+        if base is None:
+            deltas = [BucketDelta(Form.DENSE, p.numel, p.numel, None) for p in manifest.buckets]
+        else:
+            deltas = []
+            for i, buf in enumerate(bufs):
+                packed = pack(i)
+                deltas.append(encode(packed, buf))
+                if deltas[-1].form is not Form.SAME:
+                    buf.copy_(packed)
+        encode_s = time.perf_counter() - t0
         table = torch.tensor([[int(d.form), d.changed] for d in deltas], dtype=torch.int64).reshape(-1)
         header = torch.tensor([*header_for(manifest), base or 0], dtype=torch.int64)
         kept = [header.to(group.device), table.to(group.device)]  # every tensor on the wire, alive until its op is done
         ops = [group.broadcast_async(t, src, count_bytes=False) for t in kept]
         header_unix_s = time.time()
-        for d, buf in zip(deltas, bufs):
+        for i, (d, buf) in enumerate(zip(deltas, bufs)):
             if d.form is Form.SAME:
                 continue
+            if base is None:
+                buf.copy_(pack(i))  # its slot is free again at once: the image's copy goes on the wire
             ops.append(group.broadcast_async(buf if d.form is Form.DENSE else d.payload, src))
             faults.hit("send_bucket")
             if self.verify:
@@ -361,11 +369,12 @@ class WeightSender:
         changed = sum(d.changed for d in deltas) / max(1, sum(p.numel for p in manifest.buckets))
         stats = SendStats(bytes=wire, seconds=time.perf_counter() - t0, num_buckets=len(manifest.buckets),
                           header_unix_s=header_unix_s, dense_bytes=total, delta_base=base or 0,
-                          changed_fraction=None if base is None else changed)
+                          changed_fraction=None if base is None else changed, encode_s=encode_s if base else 0.0)
         log.debug("[transport:%s:%d] sent policy_version=%d against %s: %.2f of %.1f MiB in %.3f s",
                   group.name, group.rank, manifest.policy_version, base or "nothing (dense)", wire / 2**20,
                   total / 2**20, stats.seconds)
         return stats
+
 
 class _Packer:
     """``pack(i)``: bucket ``i`` of one send, ready for the wire. Unless ``slotted`` is false (every

@@ -89,7 +89,7 @@ def _local(p: torch.Tensor) -> torch.Tensor:
 def send_model(group: TransportGroup | None, model: torch.nn.Module, full: Manifest, *, source: str,
                trainer_rank: int, num_trainer_ranks: int, num_buffers: int = 2, verify: bool = False,
                sender: WeightSender | None = None, params: Mapping[str, torch.Tensor] | None = None,
-               image: DeltaImage | None = None) -> SendStats | None:
+               image: DeltaImage | None = None, dense: bool = False) -> SendStats | None:
     """Send ``model``'s parameters as ``full.policy_version``; call on every trainer rank.
 
     ``group`` is this rank's source group (None for non-zero ranks in gather mode).
@@ -97,7 +97,7 @@ def send_model(group: TransportGroup | None, model: torch.nn.Module, full: Manif
     often (walking the module tree costs about a millisecond per sync); the
     parameters must then be updated in place, as optimizers and ``load_state_dict``
     do. ``image`` (``transport.delta``): this rank's image of what its group's receivers hold; the
-    send is then ``WeightSender.send_delta``. Returns the send statistics on ranks that sent, None
+    send is then ``WeightSender.send_delta`` (``dense``: a dense one that keeps the image). Returns the send statistics on ranks that sent, None
     on ranks that only gathered.
     """
     params = dict(model.named_parameters()) if params is None else params
@@ -105,7 +105,7 @@ def send_model(group: TransportGroup | None, model: torch.nn.Module, full: Manif
     if source == "gather":
         if num_trainer_ranks == 1:  # nothing to gather: the parameters themselves (zero-copy when flat)
             sender = sender or WeightSender(group, 0, num_buffers, verify, device=device)
-            return sender.send(full, params) if image is None else sender.send_delta(full, image, params)
+            return sender.send(full, params) if image is None else sender.send_delta(full, image, params, dense=dense)
         gatherer = ShardGatherer(params, full)
         if trainer_rank != 0:
             # Take part in every gather, in the same order as rank 0, into scratch buffers
@@ -115,7 +115,8 @@ def send_model(group: TransportGroup | None, model: torch.nn.Module, full: Manif
                 gatherer(plan, scratch[i % len(scratch)][plan.dtype])
             return None
         sender = sender or WeightSender(group, 0, num_buffers, verify, device=device)
-        return sender.send(full, fill=gatherer) if image is None else sender.send_delta(full, image, fill=gatherer)
+        return (sender.send(full, fill=gatherer) if image is None
+                else sender.send_delta(full, image, fill=gatherer, dense=dense))
     if source != "shards":
         raise ValueError(f"transport.source must be one of {SOURCES}, got {source!r}")
     mine = source_manifests(full, num_trainer_ranks)[trainer_rank]
@@ -125,7 +126,7 @@ def send_model(group: TransportGroup | None, model: torch.nn.Module, full: Manif
             raise TransportError(f"trainer rank {trainer_rank}: local shard of {t.name!r} has shape "
                                  f"{tuple(local[t.name].shape)}, expected {t.shape} (dim-0 FSDP2 sharding)")
     sender = sender or WeightSender(group, 0, num_buffers, verify, device=device)
-    return sender.send(mine, local) if image is None else sender.send_delta(mine, image, local)
+    return sender.send(mine, local) if image is None else sender.send_delta(mine, image, local, dense=dense)
 
 
 _SCRATCH: dict[tuple, list[dict[str, torch.Tensor]]] = {}

@@ -73,3 +73,25 @@ def test_force_dense_skips_the_comparison_and_a_wrong_payload_size_is_refused():
     with pytest.raises(ValueError, match="delta of a torch.bfloat16 x \\(100,\\) bucket against a base of "
                                          "torch.float32"):
         encode(new, base.float())
+
+
+def test_auto_starts_dense_tries_a_delta_then_takes_the_faster_and_tries_a_delta_again_later():
+    from disagg.transport.delta import DeltaChooser
+
+    c = DeltaChooser(probe_every=3)
+    chosen = []
+
+    def sync(dense_s: float, delta_s: float) -> None:
+        delta = c.delta_next()
+        chosen.append("delta" if delta else "dense")
+        c.record(delta, delta_s if delta else dense_s)
+
+    sync(1.0, 0.1)  # nothing measured: dense
+    sync(1.0, 0.1)  # dense measured, delta not yet: a delta
+    sync(1.0, 0.1)  # the delta was 10x faster: deltas from now on
+    sync(1.0, 0.1)
+    assert chosen == ["dense", "delta", "delta", "delta"]
+    chosen.clear()
+    for _ in range(5):  # the deltas got slow (a fast link, most values changing): dense, and a delta every 3 dense
+        sync(0.5, 2.0)
+    assert chosen == ["delta", "dense", "dense", "dense", "delta"]
