@@ -140,7 +140,7 @@ class TrainerPush:
                 out["peak_extra_bytes"] = torch.cuda.max_memory_allocated(self.device) - base
         out.update(seconds=time.perf_counter() - t0, bytes=0, num_buckets=0)
         if stats is not None and chooser is not None:
-            chooser.record(stats.delta_base != 0, stats.seconds)
+            chooser.record(stats.delta_base != 0, stats.seconds, stats.bytes / max(1, stats.dense_bytes))
         if stats is not None:
             out.update(bytes=stats.dense_bytes, wire_bytes=stats.bytes, send_s=stats.seconds,
                        num_buckets=stats.num_buckets, group_bytes_sent=self.group.bytes_sent,

@@ -199,26 +199,36 @@ class DeltaChooser:
     """``transport.delta=auto``: whether the next sync of one sender goes as a delta or dense, from
     what its syncs took. The model's bytes are the same every sync, so a dense sync's seconds and
     a delta's compare as they are. Dense first (nothing is held yet, and it measures the dense
-    time); then one delta, to measure it; then whichever was faster last, trying a delta again
-    after ``probe_every`` dense syncs in a row, since the share of values that change drifts as
-    training goes on."""
+    time); then one delta, to measure it; then whichever was faster last, but dense while a
+    delta saves less than a tenth of the bytes. After ``probe_every`` syncs in a row of one kind
+    the other is tried again: the share of values that change drifts as training goes on, and a
+    first sync's time carries its set-up."""
+
+    MAX_SHARE = 0.9  # of the dense bytes: a delta sending more saves too little to pay for its comparison
 
     def __init__(self, probe_every: int = 8) -> None:
         self.probe_every = probe_every
         self.dense_s: float | None = None
         self.delta_s: float | None = None
-        self.dense_in_row = 0
+        self.delta_share = 1.0  # the last delta's bytes on the wire, of the dense bytes
+        self.last_delta: bool | None = None
+        self.in_row = 0
 
     def delta_next(self) -> bool:
         if self.dense_s is None:
             return False
-        if self.delta_s is None or self.dense_in_row >= self.probe_every:
+        if self.delta_s is None:
             return True
-        return self.delta_s < self.dense_s
+        if self.in_row >= self.probe_every:
+            return not self.last_delta
+        return self.delta_share < self.MAX_SHARE and self.delta_s < self.dense_s
 
-    def record(self, delta: bool, seconds: float) -> None:
-        """A sync went out (``delta``: as a delta) and took ``seconds`` on the sender."""
+    def record(self, delta: bool, seconds: float, share: float = 1.0) -> None:
+        """A sync went out (``delta``: as a delta, sending ``share`` of the dense bytes) and took
+        ``seconds`` on the sender."""
         if delta:
-            self.delta_s, self.dense_in_row = seconds, 0
+            self.delta_s, self.delta_share = seconds, share
         else:
-            self.dense_s, self.dense_in_row = seconds, self.dense_in_row + 1
+            self.dense_s = seconds
+        self.in_row = self.in_row + 1 if delta == self.last_delta else 1
+        self.last_delta = delta

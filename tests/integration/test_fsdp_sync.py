@@ -1,8 +1,9 @@
 """Two FSDP2 trainer workers (gloo) feeding one vLLM engine, in both source modes
 (rank 0 sends gathered full tensors / every rank sends its shards over its own
 group), the engine with one worker or tensor-parallel over two (each TP worker a
-rank of every source group, receiving full tensors that vLLM's loaders slice):
-vLLM's log-probs agree with the sharded trainer's before and after a step."""
+rank of every source group, receiving full tensors that vLLM's loaders slice; the
+second sync a delta there): vLLM's log-probs agree with the sharded trainer's before
+and after a step."""
 
 from __future__ import annotations
 
@@ -15,16 +16,19 @@ from disagg.samples import TrainSample
 from tests.conftest import small_config
 
 
-@pytest.fixture(scope="module", params=[("gather", 1), ("shards", 1), ("gather", 2), ("shards", 2)],
-                ids=["gather", "shards", "gather-tp2", "shards-tp2"])
+# The tensor-parallel engines receive with transport.delta=on: every TP worker keeps its own image
+# of each source group's buckets and applies the second sync onto it.
+@pytest.fixture(scope="module", params=[("gather", 1, "off"), ("shards", 1, "off"), ("gather", 2, "on"),
+                                        ("shards", 2, "on")],
+                ids=["gather", "shards", "gather-tp2-delta", "shards-tp2-delta"])
 def job(request, ray_session, model_cache, tmp_path_factory):
     from disagg.job import Job
     from disagg.model.warmstart import prepare_model
 
-    source, tp = request.param
+    source, tp, delta = request.param
     cfg = small_config(model_cache, trainer={"num_workers": 2, "lr": 5e-2, "grad_clip": 0.0},
                        rollout={"tensor_parallel_size": tp},
-                       transport={"source": source, "bucket_bytes": 256 * 1024})
+                       transport={"source": source, "bucket_bytes": 256 * 1024, "delta": delta})
     j = Job.start(cfg, tmp_path_factory.mktemp("fsdp-run"), prepare_model(cfg))
     yield j
     j.shutdown()
@@ -66,6 +70,8 @@ def test_sharded_trainer_syncs_full_weights_to_vllm(job):
     sync = job.sync_weights(2, trainer_step=1)
     full = ray.get(job.trainer.rank0.manifest.remote(2))["total_bytes"]
     assert sync.bytes == full  # one copy of the model on the wire, from one rank or split over both
+    # a delta onto version 1 from each sending rank (at this learning rate nearly every value changed)
+    assert (sync.changed_fraction is not None) == (job.cfg.transport.delta == "on"), sync
     s2 = _samples(job, tok, "b")
     assert all(s.policy_version == 2 for s in s2)
     for a, b in zip([s.behaviour_logprobs for s in s2], _trainer_logprobs(job, s2)):

@@ -75,23 +75,27 @@ def test_force_dense_skips_the_comparison_and_a_wrong_payload_size_is_refused():
         encode(new, base.float())
 
 
-def test_auto_starts_dense_tries_a_delta_then_takes_the_faster_and_tries_a_delta_again_later():
+def test_auto_starts_dense_tries_a_delta_takes_the_faster_and_tries_the_other_again_later():
     from disagg.transport.delta import DeltaChooser
 
     c = DeltaChooser(probe_every=3)
     chosen = []
 
-    def sync(dense_s: float, delta_s: float) -> None:
+    def sync(dense_s: float, delta_s: float, share: float = 0.05) -> None:
         delta = c.delta_next()
         chosen.append("delta" if delta else "dense")
-        c.record(delta, delta_s if delta else dense_s)
+        c.record(delta, delta_s if delta else dense_s, share if delta else 1.0)
 
-    sync(1.0, 0.1)  # nothing measured: dense
+    sync(3.0, 0.1)  # nothing measured: dense (a first sync, slow with its set-up)
     sync(1.0, 0.1)  # dense measured, delta not yet: a delta
-    sync(1.0, 0.1)  # the delta was 10x faster: deltas from now on
-    sync(1.0, 0.1)
-    assert chosen == ["dense", "delta", "delta", "delta"]
+    for _ in range(5):  # 10x faster: deltas, and after 3 in a row dense again (its first time was inflated)
+        sync(1.0, 0.1)
+    assert chosen == ["dense", "delta", "delta", "delta", "dense", "delta", "delta"]
     chosen.clear()
-    for _ in range(5):  # the deltas got slow (a fast link, most values changing): dense, and a delta every 3 dense
+    for _ in range(6):  # deltas got slow (a fast link): dense, a delta again after 3 dense in a row
         sync(0.5, 2.0)
-    assert chosen == ["delta", "dense", "dense", "dense", "delta"]
+    assert chosen == ["delta", "dense", "dense", "dense", "delta", "dense"]
+    chosen.clear()
+    for _ in range(5):  # nearly every value changes (a high learning rate): dense even where a delta was faster
+        sync(1.0, 0.9, share=0.95)
+    assert chosen == ["dense", "dense", "delta", "dense", "dense"]
