@@ -189,8 +189,9 @@ def receive_delta(group: TransportGroup, manifest: Manifest, load_fn: LoadFn, im
                   go: Callable[[TransportGroup], None] | None = None, load_unchanged: bool = False) -> ReceiveStats:
     """Receive one policy version sent by ``WeightSender.send_delta``: apply each bucket's changes
     onto ``image``, then load the tensors of every bucket that changed (every tensor after a dense
-    sync, or with ``load_unchanged``: a loader that needs whole layers). Nothing is loaded before every bucket arrived (and, with ``verify``, matched its
-    checksum): a failure leaves the weights on their old version, the image holding none.
+    sync, or with ``load_unchanged``: a loader that needs whole layers). Nothing is loaded before
+    every bucket arrived (and, with ``verify``, matched its checksum): a failure leaves the weights
+    on their old version, the image holding none.
 
     A delta made against another version than the one ``image`` holds is taken off the wire and
     refused with ``DeltaRefused`` (the group stays in step; this receiver needs a dense sync).
@@ -263,6 +264,7 @@ def receive_delta(group: TransportGroup, manifest: Manifest, load_fn: LoadFn, im
               wire / 2**20, seconds)
     return ReceiveStats(bytes=wire, seconds=seconds, num_buckets=len(bufs), num_tensors=num_tensors,
                         header_s=header_s, header_unix_s=time.time() - (seconds - header_s))
+
 
 def _check_header(group: TransportGroup, manifest: Manifest, header: torch.Tensor) -> None:
     got, want = header.tolist(), header_for(manifest)

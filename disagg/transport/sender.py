@@ -311,7 +311,6 @@ class WeightSender:
                   stats.bytes / 2**20, seconds)
         return stats
 
-
     @torch.no_grad()
     def send_delta(self, manifest: Manifest, image: DeltaImage, named_tensors: NamedTensors | None = None,
                    fill: BucketFill | None = None, dense: bool = False) -> SendStats:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from disagg.samples import TrainSample
-from tests.gpu.test_vllm_engine import _as_vllm_parameters, _ids, _layout
+from tests.gpu.test_vllm_engine import _as_vllm_parameters, _ids, start_job
 
 pytestmark = pytest.mark.gpu
 
@@ -17,24 +17,9 @@ SYNCS = 50
 
 @pytest.fixture(scope="module")
 def job(ray_session, model_cache, tmp_path_factory):
-    from pathlib import Path
-
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
-
-    from disagg.config import load_config
-    from disagg.job import Job
-    from disagg.model.warmstart import prepare_model
-
-    configs = Path(__file__).resolve().parents[2] / "configs"
-    with initialize_config_dir(config_dir=str(configs), version_base="1.3"):
-        dc = compose(config_name="train", overrides=[
-            f"cluster={_layout()}", f"model.cache_dir={model_cache}", "model.warmstart.steps=30",
-            "trainer.lr=1e-5", "trainer.grad_clip=0", "trainer.micro_batch_size=32", "transport.delta=on",
-            "transport.dtype=bfloat16", "transport.bucket_bytes=262144", "rollout.gpu_memory_utilization=0.2",
-            "algorithm.group_size=4", "algorithm.prompts_per_step=4", "logging.progress=false"])
-    cfg = load_config(OmegaConf.to_container(dc, resolve=True))
-    j = Job.start(cfg, tmp_path_factory.mktemp("gpu-delta"), prepare_model(cfg))
+    # A small learning rate and bf16 on the wire: most values stay the same from one step to the next.
+    j = start_job(model_cache, tmp_path_factory.mktemp("gpu-delta"), [
+        "trainer.lr=1e-5", "transport.delta=on", "transport.dtype=bfloat16", "transport.bucket_bytes=262144"])
     yield j
     j.shutdown()
 

@@ -36,8 +36,8 @@ def _layout() -> str:
     return "gpu" if torch.cuda.device_count() >= 2 else "one_gpu"
 
 
-@pytest.fixture(scope="module")
-def job(ray_session, model_cache, tmp_path_factory):
+def start_job(model_cache, run_dir, overrides: list[str]):
+    """A Job of the train config on this machine's GPU layout with ``overrides`` (the tiny model)."""
     from pathlib import Path
 
     from hydra import compose, initialize_config_dir
@@ -51,13 +51,18 @@ def job(ray_session, model_cache, tmp_path_factory):
     with initialize_config_dir(config_dir=str(configs), version_base="1.3"):
         dc = compose(config_name="train", overrides=[
             f"cluster={_layout()}", f"model.cache_dir={model_cache}", "model.warmstart.steps=30",
-            # A large learning rate: one step visibly moves every log-prob.
-            "trainer.lr=3e-2", "trainer.grad_clip=0", "trainer.micro_batch_size=32",
-            "rollout.max_model_len=2048", "model.tiny.max_position_embeddings=2048", "rollout.max_num_seqs=128",
-            "rollout.gpu_memory_utilization=0.2",
-            "algorithm.group_size=4", "algorithm.prompts_per_step=4", "logging.progress=false"])
+            "trainer.grad_clip=0", "trainer.micro_batch_size=32", "rollout.gpu_memory_utilization=0.2",
+            "algorithm.group_size=4", "algorithm.prompts_per_step=4", "logging.progress=false", *overrides])
     cfg = load_config(OmegaConf.to_container(dc, resolve=True))
-    j = Job.start(cfg, tmp_path_factory.mktemp("gpu-run"), prepare_model(cfg))
+    return Job.start(cfg, run_dir, prepare_model(cfg))
+
+
+@pytest.fixture(scope="module")
+def job(ray_session, model_cache, tmp_path_factory):
+    # A large learning rate: one step visibly moves every log-prob.
+    j = start_job(model_cache, tmp_path_factory.mktemp("gpu-run"), [
+        "trainer.lr=3e-2", "rollout.max_model_len=2048", "model.tiny.max_position_embeddings=2048",
+        "rollout.max_num_seqs=128"])
     yield j
     j.shutdown()
 
