@@ -62,7 +62,8 @@ def choose_form(numel: int, changed: int, item: int) -> Form:
     """The form with the fewest bytes (dense on a tie: it needs no decoding)."""
     if changed == 0:
         return Form.SAME
-    sizes = {f: payload_bytes(f, numel, changed, item) for f in (Form.DENSE, Form.INDEX, Form.MASK)}
+    forms = (Form.DENSE, Form.INDEX, Form.MASK) if numel < 2**31 else (Form.DENSE, Form.MASK)  # int32 positions
+    sizes = {f: payload_bytes(f, numel, changed, item) for f in forms}
     return min(sizes, key=lambda f: (sizes[f], f is not Form.DENSE))
 
 

@@ -60,6 +60,7 @@ def test_the_form_is_the_smallest_on_the_wire():
     # bf16: index lists up to 1/32 of the elements, a bit mask beyond, dense past 15/16
     assert choose_form(n, n // 32 - 1, item) is Form.INDEX and choose_form(n, n // 32 + 1, item) is Form.MASK
     assert choose_form(n, n * 15 // 16 - 1, item) is Form.MASK and choose_form(n, n * 15 // 16 + 1, item) is Form.DENSE
+    assert choose_form(2**31, 10, 1) is Form.MASK  # positions past int32: no index list
 
 
 def test_force_dense_skips_the_comparison_and_a_wrong_payload_size_is_refused():
