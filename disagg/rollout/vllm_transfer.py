@@ -63,7 +63,7 @@ class DisaggInitInfo(WeightTransferInitInfo):
     num_buffers: int = 2
     verify: bool = False
     load: str = "auto"  # transport.load: auto | layerwise | direct
-    delta: bool = False  # transport.delta=on: receive with receive_delta onto an image per group
+    delta: bool = False  # transport.delta on or auto: receive with receive_delta onto an image per group
 
 
 def resolve_load_mode(requested: str, device_type: str, quantized: bool) -> str:

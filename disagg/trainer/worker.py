@@ -59,7 +59,7 @@ class TrainerWorker(TrainerPush, TrainerPeers):
         self.opt = None
         self.group = None
         self.sender = None
-        self.delta_image = None  # transport.delta: the version every engine of the group holds (DeltaImage)
+        self.delta_image = None  # transport.delta on or auto: what every engine of the group holds (DeltaImage)
         self.delta_chooser = None  # transport.delta=auto: delta or dense, sync by sync (DeltaChooser)
         self._manifest = None
         self._push_manifest = None  # this rank's part of it (_push_layout)
