@@ -105,7 +105,8 @@ class LastSync:
         """From a step's metrics; None for a step without a sync (``weight_sync/skipped``)."""
         if "weight_sync/bytes" not in m or m.get("weight_sync/skipped"):
             return None
-        return LastSync(step, int(m["weight_sync/bytes"]), int(m.get("weight_sync/bytes_on_wire", m["weight_sync/bytes"])),
+        dense = int(m["weight_sync/bytes"])
+        return LastSync(step, dense, int(m.get("weight_sync/bytes_on_wire", dense)),
                         bool(m.get("weight_sync/delta", 0)), float(m.get("weight_sync/changed_fraction", -1.0)),
                         float(m.get("timing/weight_sync_s", 0.0)))
 

@@ -97,15 +97,21 @@ def send_model(group: TransportGroup | None, model: torch.nn.Module, full: Manif
     often (walking the module tree costs about a millisecond per sync); the
     parameters must then be updated in place, as optimizers and ``load_state_dict``
     do. ``image`` (``transport.delta``): this rank's image of what its group's receivers hold; the
-    send is then ``WeightSender.send_delta`` (``dense``: a dense one that keeps the image). Returns the send statistics on ranks that sent, None
-    on ranks that only gathered.
+    send is then ``WeightSender.send_delta`` (``dense``: a dense one that keeps the image). Returns
+    the send statistics on ranks that sent, None on ranks that only gathered.
     """
     params = dict(model.named_parameters()) if params is None else params
     device = next(iter(params.values())).device  # buckets are packed there (WeightSender)
+
+    def send(manifest: Manifest, tensors=None, fill=None) -> SendStats:
+        s = sender or WeightSender(group, 0, num_buffers, verify, device=device)
+        if image is None:
+            return s.send(manifest, tensors, fill)
+        return s.send_delta(manifest, image, tensors, fill, dense=dense)
+
     if source == "gather":
         if num_trainer_ranks == 1:  # nothing to gather: the parameters themselves (zero-copy when flat)
-            sender = sender or WeightSender(group, 0, num_buffers, verify, device=device)
-            return sender.send(full, params) if image is None else sender.send_delta(full, image, params, dense=dense)
+            return send(full, params)
         gatherer = ShardGatherer(params, full)
         if trainer_rank != 0:
             # Take part in every gather, in the same order as rank 0, into scratch buffers
@@ -114,9 +120,7 @@ def send_model(group: TransportGroup | None, model: torch.nn.Module, full: Manif
             for i, plan in enumerate(full.buckets):
                 gatherer(plan, scratch[i % len(scratch)][plan.dtype])
             return None
-        sender = sender or WeightSender(group, 0, num_buffers, verify, device=device)
-        return (sender.send(full, fill=gatherer) if image is None
-                else sender.send_delta(full, image, fill=gatherer, dense=dense))
+        return send(full, fill=gatherer)
     if source != "shards":
         raise ValueError(f"transport.source must be one of {SOURCES}, got {source!r}")
     mine = source_manifests(full, num_trainer_ranks)[trainer_rank]
@@ -125,8 +129,7 @@ def send_model(group: TransportGroup | None, model: torch.nn.Module, full: Manif
         if tuple(local[t.name].shape) != t.shape:
             raise TransportError(f"trainer rank {trainer_rank}: local shard of {t.name!r} has shape "
                                  f"{tuple(local[t.name].shape)}, expected {t.shape} (dim-0 FSDP2 sharding)")
-    sender = sender or WeightSender(group, 0, num_buffers, verify, device=device)
-    return sender.send(mine, local) if image is None else sender.send_delta(mine, image, local, dense=dense)
+    return send(mine, local)
 
 
 _SCRATCH: dict[tuple, list[dict[str, torch.Tensor]]] = {}
