@@ -6,11 +6,14 @@ trainer workers, which get the variable from the driver); when
 the code passes that point ``after`` times, the fault fires: ``exit`` ends the process at once
 (``os._exit``, no cleanup, as a crash or an OOM kill would), ``raise`` raises
 ``FaultInjected``, ``stop`` freezes the process (SIGSTOP to itself: alive, silent, until a
-test kills or continues it). Unarmed points cost one dict lookup.
+test kills or continues it), ``flag`` makes ``hit`` return True once (the point's code then
+does the harm it names). Unarmed points cost one dict lookup.
 
 Points: ``receive_bucket`` (a receiver took one more bucket of a weight sync),
 ``send_bucket`` (a trainer rank put one more bucket of a weight sync on the wire),
-``checkpoint_written`` (the driver wrote a checkpoint).
+``checkpoint_written`` (the driver wrote a checkpoint), ``delta_image_lost`` (a receiver of a
+delta sync; ``flag``: it forgets which version its image holds, as a receiver holding another
+version would, and refuses the delta).
 """
 
 from __future__ import annotations
@@ -21,8 +24,8 @@ import signal
 
 log = logging.getLogger("disagg.faults")
 
-POINTS = ("receive_bucket", "send_bucket", "checkpoint_written")
-ACTIONS = ("exit", "raise", "stop")
+POINTS = ("receive_bucket", "send_bucket", "checkpoint_written", "delta_image_lost")
+ACTIONS = ("exit", "raise", "stop", "flag")
 ENV = "DISAGG_FAULTS"  # "point:action:after[,point:action:after...]", read by arm_from_env
 _armed: dict[str, dict] = {}
 
@@ -57,18 +60,21 @@ def env_vars() -> dict[str, str]:
     return {ENV: os.environ[ENV]} if os.environ.get(ENV) else {}
 
 
-def hit(point: str) -> None:
+def hit(point: str) -> bool:
+    """Passing ``point``: True only when a ``flag`` fault fires here."""
     spec = _armed.get(point)
     if spec is None:
-        return
+        return False
     spec["hits"] += 1
     if spec["hits"] < spec["after"]:
-        return
+        return False
     del _armed[point]
     log.error("fault point %s fired (%s) after %d hit(s)", point, spec["action"], spec["hits"])
     if spec["action"] == "exit":
         os._exit(70)
     if spec["action"] == "stop":
         os.kill(os.getpid(), signal.SIGSTOP)
-        return
+        return False
+    if spec["action"] == "flag":
+        return True
     raise FaultInjected(f"fault injected at {point}")

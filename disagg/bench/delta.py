@@ -17,6 +17,7 @@ vLLM, Ray or grpc.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -175,12 +176,30 @@ def run(o: DeltaOptions) -> dict[str, Any]:
         r["bytes_ratio"] = r["dense_bytes"] / max(1, r["delta_bytes"])
         r["speedup"] = r["dense_s"] / r["delta_s"] if r["delta_s"] > 0 else None
     return {"options": asdict(o), "machine": machine(device), "device": device, "bytes": reports["trainer"]["bytes"],
-            "num_buckets": reports["trainer"]["num_buckets"], "steps": rows,
+            "num_buckets": reports["trainer"]["num_buckets"], "steps": rows, "auto": replay_auto(rows),
             "median_changed_fraction": statistics.median(r["changed_fraction"] for r in rows),
             "median_bytes_ratio": statistics.median(r["bytes_ratio"] for r in rows),
             "median_speedup": statistics.median(r["speedup"] for r in rows if r["speedup"] is not None),
             "exact": reports["trainer"]["checksums"] == reports["receiver"]["checksums"],
             "unix_s": time.time()}
+
+
+def replay_auto(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """``transport.delta=auto`` on these versions: its chooser fed each version's measured send
+    seconds and bytes (what the trainer feeds it), the sync times of what it chose summed against
+    all-dense and all-delta. Its first dense stands for a run's first sync (which is dense anyway)."""
+    from disagg.transport.delta import DeltaChooser
+
+    chooser, kinds, auto_s = DeltaChooser(), [], 0.0
+    for r in rows:
+        delta = chooser.delta_next()
+        kinds.append("delta" if delta else "dense")
+        chooser.record(delta, r["delta_send_s"] if delta else r["dense_send_s"],
+                       r["delta_bytes"] / r["dense_bytes"] if delta else 1.0)
+        auto_s += r["delta_s"] if delta else r["dense_s"]
+    dense_s, delta_s = sum(r["dense_s"] for r in rows), sum(r["delta_s"] for r in rows)
+    return {"choices": kinds, "seconds": auto_s, "dense_seconds": dense_s, "delta_seconds": delta_s,
+            "dense_vs_auto": dense_s / auto_s if auto_s > 0 else None}
 
 
 def render(report: dict[str, Any]) -> None:
@@ -203,6 +222,11 @@ def render(report: dict[str, Any]) -> None:
                   f"fewer, sync {report['median_speedup']:.2f}x faster; receiver equals the trainer's "
                   f"{o['wire_dtype']} cast bit for bit after {len(report['steps'])} deltas: "
                   f"{'yes' if report['exact'] else 'NO'}")
+    a = report["auto"]
+    runs = [f"{k} x{len(list(g))}" for k, g in itertools.groupby(a["choices"])]
+    console.print(f"auto (its chooser replayed on these times): {', '.join(runs)}: {a['seconds']:.3f} s against "
+                  f"{a['dense_seconds']:.3f} s all dense "
+                  f"({a['dense_vs_auto']:.2f}x) and {a['delta_seconds']:.3f} s all delta")
 
 
 def parse_args(argv: list[str]) -> tuple[DeltaOptions, str | None]:

@@ -12,7 +12,11 @@ A failed sync is decided in ``finish``: a dead receiver is taken out like any de
 trainer's side failed, the version is sent again on a rebuilt group (``retry``; the trainer's
 weights have not changed: it is not free until its push succeeded); if the trainer sent everything,
 receivers whose receive failed anyway hold partial weights: they are killed and replaced, and the
-version counts as synced to the rest. More than ``transport.max_sync_retries`` failures in a row end
+version counts as synced to the rest. A receiver that rejected the version whole (a checksum
+mismatch, or a delta against a version it does not hold: ``ChecksumError``, nothing loaded) still
+serves its last one: it is kept, and the version is sent again on the rebuilt group, which starts
+dense, while the trainer still holds it (else its next version reaches it, dense); rejecting that
+retry as well, it is replaced. More than ``transport.max_sync_retries`` failures in a row end
 the run. No sync starts while no engine can receive it (every one died and the replacements are
 still starting): it waits, and brings the replacements in when they have started.
 """
@@ -179,7 +183,7 @@ class SyncController:
         """``Job.finish_sync``, surviving failed parties; where a sync retry is decided."""
         import ray
 
-        from disagg.errors import RolloutError, TransportError
+        from disagg.errors import ChecksumError, RolloutError, TransportError
 
         try:
             sync = self.job.finish_sync(pending)
@@ -192,7 +196,7 @@ class SyncController:
         self.counts["sync_failures"] += 1
         self.rebuild = True
         self.state.record_event("sync_failed", f"version {v}: {str(err)[:600]}")
-        pushed = True
+        pushed, rejected = True, []
         for rank, ref in enumerate(pending.trainer_refs):
             if isinstance(e := self._outcome(ref), ray.exceptions.RayActorError):
                 raise RolloutError(f"trainer rank {rank} died during the sync of version {v}: {brief(e)}; continue "
@@ -203,6 +207,8 @@ class SyncController:
                 continue
             if isinstance(e, ray.exceptions.RayActorError):
                 self.fleet.died_now(eid, f"died during the sync of version {v}: {brief(e)}")
+            elif isinstance(e, ChecksumError) and self.failed == 1:  # rejected whole: its last version serves on
+                rejected.append(eid)  # (rejecting the retry too, it is replaced below: a faulty engine)
             elif pushed:
                 self.fleet.died_now(eid, f"its receive of version {v} failed after the trainer sent all of "
                                     f"it ({brief(e)}): its weights are incomplete")
@@ -211,6 +217,10 @@ class SyncController:
         if self.failed > self.cfg.transport.max_sync_retries:
             raise RolloutError(f"the weight sync of version {v} failed {self.failed} times in a row "
                                f"(transport.max_sync_retries={self.cfg.transport.max_sync_retries}): {err}") from err
+        if rejected and (v in self.snapshots or trainer_holds == v):
+            pushed = False  # sent again to every engine: dense, on the rebuilt group
+            self.state.record_event("sync_rejected", f"engine(s) {rejected} rejected version {v} and serve their "
+                                    "last one: it is sent again, dense")
         if pushed and self._delivered(pending, v, trainer_holds):
             self.failed = 0
             return self.job.sync_stats(pending, ray.get(pending.trainer_refs))

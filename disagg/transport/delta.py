@@ -203,33 +203,45 @@ class DeltaChooser:
     time); then one delta, to measure it; then whichever was faster last, but dense while a
     delta saves less than a tenth of the bytes. After ``probe_every`` syncs in a row of one kind
     the other is tried again: the share of values that change drifts as training goes on, and a
-    first sync's time carries its set-up."""
+    first sync's time carries its set-up. A retry that loses doubles the wait before the next
+    one (up to ``max_probe_every``): where one kind always wins (a delta over NVLink loses, over
+    a network link it wins) the retries' cost fades over a run; a retry that wins starts the
+    waits over."""
 
     MAX_SHARE = 0.9  # of the dense bytes: a delta sending more saves too little to pay for its comparison
 
-    def __init__(self, probe_every: int = 8) -> None:
+    def __init__(self, probe_every: int = 8, max_probe_every: int = 512) -> None:
         self.probe_every = probe_every
+        self.max_probe_every = max_probe_every
+        self.wait = probe_every  # syncs in a row of one kind before the other is tried again
         self.dense_s: float | None = None
         self.delta_s: float | None = None
         self.delta_share = 1.0  # the last delta's bytes on the wire, of the dense bytes
         self.last_delta: bool | None = None
         self.in_row = 0
 
+    def _delta_faster(self) -> bool:
+        return self.delta_share < self.MAX_SHARE and self.delta_s < self.dense_s
+
     def delta_next(self) -> bool:
         if self.dense_s is None:
             return False
         if self.delta_s is None:
             return True
-        if self.in_row >= self.probe_every:
+        if self.in_row >= self.wait:
             return not self.last_delta
-        return self.delta_share < self.MAX_SHARE and self.delta_s < self.dense_s
+        return self._delta_faster()
 
     def record(self, delta: bool, seconds: float, share: float = 1.0) -> None:
         """A sync went out (``delta``: as a delta, sending ``share`` of the dense bytes) and took
         ``seconds`` on the sender."""
+        retry = self.in_row >= self.wait and delta != self.last_delta
         if delta:
             self.delta_s, self.delta_share = seconds, share
         else:
             self.dense_s = seconds
+        if retry and self.delta_s is not None and self.dense_s is not None:
+            won = self._delta_faster() == delta
+            self.wait = self.probe_every if won else min(2 * self.wait, self.max_probe_every)
         self.in_row = self.in_row + 1 if delta == self.last_delta else 1
         self.last_delta = delta

@@ -210,6 +210,8 @@ def receive_delta(group: TransportGroup, manifest: Manifest, load_fn: LoadFn, im
     group.broadcast_async(table, src, count_bytes=False).wait()
     forms = [(Form(f), n) for f, n in table.view(-1, 2).tolist()]
     bufs = image.buckets(manifest)
+    if faults.hit("delta_image_lost"):
+        image.invalidate()
     refused = base != 0 and image.version != base
     held, image.version = image.version, None  # rewritten from here on
     posted: list[tuple[torch.Tensor | None, torch.Tensor | None]] = []

@@ -55,17 +55,52 @@ def test_syncs_after_the_first_send_only_what_changed_and_the_engine_serves_the_
             assert 0 < r["weight_sync/bytes_on_wire"] < 0.5 * r["weight_sync/bytes"], r
         else:
             assert r["weight_sync/bytes_on_wire"] == r["weight_sync/bytes"] and "weight_sync/changed_fraction" not in r
-    final = ray.get(job.trainer.rank0.full_state_dict.remote(), timeout=120)
+    _check_serves(job, tok, 8, before)
 
+
+def _check_serves(job, tok, version: int, before: dict) -> None:
+    """The engine serves exactly the trainer's weights of ``version`` (rounded to bf16), not ``before``'s."""
+    import ray
+
+    final = ray.get(job.trainer.rank0.full_state_dict.remote(), timeout=120)
     prompt = [tok.bos_token_id] + tok.encode("12+34=", add_special_tokens=False)
     greedy = SamplingSpec(max_tokens=8, greedy=True, ignore_eos=True)
     (res,) = ray.get(job.rollout.engines[0].generate.remote([GenRequest("delta", tuple(prompt), greedy)]),
                      timeout=120)
     c = res.completions[0]
-    assert set(c.token_versions) == {8}
+    assert set(c.token_versions) == {version}
     got = torch.tensor(c.logprobs)
-    err = (replay_logprobs(job.model_path, {8: final}, prompt, c.response_ids, [8] * 8,
+    err = (replay_logprobs(job.model_path, {version: final}, prompt, c.response_ids, [version] * 8,
                            engine_dtype=torch.bfloat16) - got).abs().max().item()
     stale = (replay_logprobs(job.model_path, {1: before}, prompt, c.response_ids, [1] * 8,
                              engine_dtype=torch.bfloat16) - got).abs().max().item()
     assert err < 2e-3 and stale > 10 * err, (err, stale)
+
+
+def test_an_engine_refusing_a_delta_keeps_serving_and_gets_that_version_again_dense(job, tok):
+    # The engine's worker forgets which version its image holds (as an engine holding another
+    # version would): it refuses the next delta and loads nothing. It is not replaced: the version
+    # goes again, dense, on a rebuilt group, and the next sync is a delta again.
+    import ray
+
+    from disagg.train import make_pipeline
+
+    if job.cfg.transport.delta != "on":
+        pytest.skip("auto may send that sync dense, and a dense sync is never refused: tested with on")
+    engine = job.rollout.engines[0]
+    version = ray.get(engine.get_version.remote(), timeout=60)["policy_version"]
+    if version == 0:  # run alone: the first sync, dense
+        job.sync_weights(1, trainer_step=0)
+        version = 1
+    before = ray.get(job.trainer.rank0.full_state_dict.remote(), timeout=120)
+    ray.get(engine.arm_fault.remote("delta_image_lost", "flag", 1), timeout=60)
+    job.coordinator.state.set_max_staleness(0)
+    records = make_pipeline(job.cfg, job, tok).run(2, first_step=version)
+    last = records[-1]
+    assert last["transport/sync_failures"] == 1 and last["transport/sync_retries"] == 1, last
+    assert last["rollout/engine_deaths"] == 0 and last["rollout/engines_replaced"] == 0, last
+    assert job.rollout.engines[0] is engine
+    assert [r["weight_sync/delta"] for r in records] == [0, 1]  # the version again, dense; then a delta
+    assert records[0]["weight_sync/bytes_on_wire"] == records[0]["weight_sync/bytes"]
+    assert 0 < records[1]["weight_sync/bytes_on_wire"] < 0.5 * records[1]["weight_sync/bytes"]
+    _check_serves(job, tok, version + 2, before)

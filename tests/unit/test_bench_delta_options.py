@@ -22,3 +22,19 @@ def test_flags_parse_into_the_options():
 def test_bad_values_exit_2_with_the_flag_and_the_value(argv, message, capsys):
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_auto_replay_sums_the_times_of_what_the_chooser_picks():
+    from disagg.bench.delta import replay_auto
+
+    def rows(dense_s: float, delta_s: float, n: int = 12) -> list[dict]:
+        return [{"dense_s": dense_s, "delta_s": delta_s, "dense_send_s": dense_s, "delta_send_s": delta_s,
+                 "dense_bytes": 1000, "delta_bytes": 40} for _ in range(n)]
+
+    fast_link = replay_auto(rows(0.015, 0.045))  # NVLink: one delta to measure, then dense until its retry
+    assert fast_link["choices"] == ["dense", "delta"] + ["dense"] * 8 + ["delta", "dense"]
+    assert fast_link["seconds"] == pytest.approx(10 * 0.015 + 2 * 0.045)
+    assert fast_link["dense_vs_auto"] == pytest.approx(12 * 0.015 / (10 * 0.015 + 2 * 0.045))
+    slow_link = replay_auto(rows(0.7, 0.07))  # sockets: deltas, dense tried again after 8 in a row
+    assert slow_link["choices"] == ["dense"] + ["delta"] * 8 + ["dense"] + ["delta"] * 2
+    assert slow_link["dense_vs_auto"] == pytest.approx(12 * 0.7 / (2 * 0.7 + 10 * 0.07))

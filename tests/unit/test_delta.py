@@ -93,10 +93,31 @@ def test_auto_starts_dense_tries_a_delta_takes_the_faster_and_tries_the_other_ag
         sync(1.0, 0.1)
     assert chosen == ["dense", "delta", "delta", "delta", "dense", "delta", "delta"]
     chosen.clear()
-    for _ in range(6):  # deltas got slow (a fast link): dense, a delta again after 3 dense in a row
+    # deltas got slow (a fast link): dense; the dense retry above lost, so the next delta comes
+    # after 6 dense in a row, not 3, and it losing too doubles the wait again (12)
+    for _ in range(21):
         sync(0.5, 2.0)
-    assert chosen == ["delta", "dense", "dense", "dense", "delta", "dense"]
+    assert [i for i, kind in enumerate(chosen) if kind == "delta"] == [0, 7, 20]
+    chosen.clear()
+    for _ in range(30):  # deltas fast again: found at the next retry (after 24), which wins and resets the wait to 3
+        sync(0.5, 0.1)
+    assert chosen == ["dense"] * 24 + ["delta"] * 3 + ["dense"] + ["delta"] * 2  # (that dense retry lost: next after 6)
     chosen.clear()
     for _ in range(5):  # nearly every value changes (a high learning rate): dense even where a delta was faster
         sync(1.0, 0.9, share=0.95)
-    assert chosen == ["dense", "dense", "delta", "dense", "dense"]
+    assert chosen[:3] == ["delta", "dense", "dense"]  # the delta measured 95 % of the bytes: dense, though faster
+
+
+def test_auto_retries_a_losing_kind_ever_more_rarely():
+    # a delta 3x slower than dense on every sync (NVLink): the retries come after 8, 16, 32 ... dense
+    # syncs in a row, so over 1000 syncs 7 deltas are sent, not 1000 / 9
+    from disagg.transport.delta import DeltaChooser
+
+    c, deltas = DeltaChooser(probe_every=8, max_probe_every=512), []
+    for i in range(1000):
+        delta = c.delta_next()
+        if delta:
+            deltas.append(i)
+        c.record(delta, 3.0 if delta else 1.0, 0.05 if delta else 1.0)
+    gaps = [b - a - 1 for a, b in zip(deltas, deltas[1:])]
+    assert deltas[0] == 1 and gaps == [8, 16, 32, 64, 128, 256]

@@ -412,6 +412,44 @@ def test_a_pushed_version_that_reached_no_engine_and_that_the_trainer_trained_pa
     assert [k for k, _ in sync.state.events][-1] == "sync_superseded"
 
 
+@pytest.mark.parametrize("trainer_holds", [3, None], ids=["held", "trained past"])
+def test_an_engine_that_rejected_a_version_whole_is_kept_and_gets_it_again(monkeypatch, trainer_holds) -> None:
+    # a checksum mismatch, or a delta against a version the engine does not hold: nothing loaded,
+    # its last version serves on. Not killed: the version goes again on the rebuilt (dense) group
+    # while the trainer holds it; else the next version reaches it.
+    import ray
+
+    from disagg.errors import ChecksumError, TransportError
+
+    sync, job = _sync(overlap_push=False)
+    job.sync_stats = lambda pending, pushes: SyncStats(pending.policy_version, 10, 1.0, 0.5, 1)
+    record = StepRecord(2, 2, [], 0.0)
+    sync.pending, sync.record = PendingSync(3, 0.0, ["push", "recv0"], 1, (0,)), record
+    outcomes = {"push": None, "recv0": ChecksumError("engine 0: policy_version=3 was sent as changes to version 2, "
+                                                     "this receiver holds none")}
+    monkeypatch.setattr(sync, "_outcome", outcomes.get)
+    monkeypatch.setattr(ray, "get", lambda refs, timeout=None: [None for _ in refs])
+
+    def finish_sync(pending):
+        raise TransportError("engine 0: rejected")
+
+    job.finish_sync = finish_sync
+    finished = sync.finish(step=2, trainer_holds=trainer_holds)
+    assert sync.fleet.died == set() and sync.counts["sync_failures"] == 1 and sync.rebuild
+    if trainer_holds == 3:
+        assert finished is None and sync.retry == (3, 2, record) and sync.counts["sync_retries"] == 1
+        assert [k for k, _ in sync.state.events][-2:] == ["sync_rejected", "sync_retried"]
+    else:
+        stats, done = finished
+        assert done is record and stats.policy_version == 3 and sync.retry is None
+        assert sync.counts["sync_retries"] == 0
+        return
+    # the retry rejected too: a faulty engine, replaced (a rejection can go on no longer than that)
+    sync.pending, sync.record = PendingSync(3, 0.0, ["push", "recv0"], 1, (0,)), record
+    assert sync.finish(step=2, trainer_holds=3) is None
+    assert sync.fleet.died == {0} and sync.counts["sync_failures"] == 2
+
+
 def test_replacements_join_in_a_sync_of_no_step() -> None:
     sync, job = _sync(overlap_push=False)
     sync.join_replacements(version=3, step=2)
