@@ -47,8 +47,8 @@ def _trainer(o: DeltaOptions, port: int, device: str, out) -> None:
     import torch
 
     from disagg.bench.workers import build_model
-    from disagg.transport.buckets import bucket_checksum, torch_dtype
-    from disagg.transport.delta import DeltaImage
+    from disagg.transport.buckets import bucket_checksum, pack_bucket, torch_dtype
+    from disagg.transport.delta import DeltaImage, estimate
     from disagg.transport.group import create_group
     from disagg.transport.sender import WeightSender, build_manifest
 
@@ -71,6 +71,9 @@ def _trainer(o: DeltaOptions, port: int, device: str, out) -> None:
         opt.zero_grad(set_to_none=True)
         train_s = time.perf_counter() - t0
         m, row = manifest.with_version(v), {"version": v, "train_s": train_s}
+        with torch.no_grad():  # what auto's estimate would say: the first bucket encoded against the image (v - 1)
+            row["estimate_s"], row["estimate_share"] = estimate(pack_bucket(manifest.buckets[0], params),
+                                                                image.buckets(m)[0], sum(p.numel for p in manifest.buckets))
         for kind in (("delta", "dense") if v % 2 else ("dense", "delta")):
             group.barrier()
             s = sender.send_delta(m, image, params) if kind == "delta" else sender.send(m, params)
@@ -186,16 +189,18 @@ def run(o: DeltaOptions) -> dict[str, Any]:
 
 def replay_auto(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """``transport.delta=auto`` on these versions: its chooser fed each version's measured send
-    seconds and bytes (what the trainer feeds it), the sync times of what it chose summed against
-    all-dense and all-delta. Its first dense stands for a run's first sync (which is dense anyway)."""
+    seconds and bytes and, where it asks for one, the version's encoding estimate (what the trainer
+    feeds it), the sync times of what it chose summed against all-dense and all-delta. Its first
+    dense stands for a run's first sync (which is dense anyway)."""
     from disagg.transport.delta import DeltaChooser
 
     chooser, kinds, auto_s = DeltaChooser(), [], 0.0
     for r in rows:
         delta = chooser.delta_next()
         kinds.append("delta" if delta else "dense")
+        guess = (r["estimate_s"], r["estimate_share"]) if chooser.estimating and "estimate_s" in r else None
         chooser.record(delta, r["delta_send_s"] if delta else r["dense_send_s"],
-                       r["delta_bytes"] / r["dense_bytes"] if delta else 1.0)
+                       r["delta_bytes"] / r["dense_bytes"] if delta else 1.0, estimate=guess)
         auto_s += r["delta_s"] if delta else r["dense_s"]
     dense_s, delta_s = sum(r["dense_s"] for r in rows), sum(r["delta_s"] for r in rows)
     return {"choices": kinds, "seconds": auto_s, "dense_seconds": dense_s, "delta_seconds": delta_s,

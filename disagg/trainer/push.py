@@ -118,12 +118,13 @@ class TrainerPush:
 
         chooser = self.delta_chooser
         dense = chooser is not None and not chooser.delta_next()
+        estimate = dense and chooser.estimating  # (a dense sync that times one bucket's encoding as a delta)
 
         def send(tensors: dict[str, torch.Tensor]):
             return send_model(self.group, self.model, m, source=self.transport_cfg.source, trainer_rank=self.rank,
                               num_trainer_ranks=self.world_size, num_buffers=self.transport_cfg.num_buffers,
                               verify=self.transport_cfg.verify, sender=self.sender, params=tensors, image=image,
-                              dense=dense)
+                              dense=dense, estimate=estimate)
 
         if arm_id and go_timeout_s is None and self.group is not None:
             # (an armed push's go woke the engines too: Job._go sets both words)
@@ -140,7 +141,8 @@ class TrainerPush:
                 out["peak_extra_bytes"] = torch.cuda.max_memory_allocated(self.device) - base
         out.update(seconds=time.perf_counter() - t0, bytes=0, num_buckets=0)
         if stats is not None and chooser is not None:
-            chooser.record(stats.delta_base != 0, stats.seconds, stats.bytes / max(1, stats.dense_bytes))
+            chooser.record(stats.delta_base != 0, stats.seconds, stats.bytes / max(1, stats.dense_bytes),
+                           estimate=stats.estimate)
         if stats is not None:
             out.update(bytes=stats.dense_bytes, wire_bytes=stats.bytes, send_s=stats.seconds,
                        num_buckets=stats.num_buckets, group_bytes_sent=self.group.bytes_sent,

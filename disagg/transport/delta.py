@@ -23,6 +23,7 @@ never communicates and never imports vLLM or Ray.
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass
 
 import torch
@@ -127,6 +128,22 @@ def encode(new: torch.Tensor, base: torch.Tensor, force_dense: bool = False) -> 
     return BucketDelta(form, numel, changed, torch.cat([where, values]))
 
 
+def estimate(new: torch.Tensor, base: torch.Tensor, total_numel: int) -> tuple[float, float]:
+    """What a delta of a whole model would cost to encode, from encoding one of its buckets: the
+    seconds ``encode(new, base)`` took scaled to ``total_numel`` elements, and the share of the
+    bucket's bytes the delta would send (``base`` is left as it was)."""
+    def synced() -> float:
+        if new.device.type == "cuda":
+            torch.cuda.synchronize(new.device)
+        return time.perf_counter()
+
+    t0 = synced()
+    d = encode(new, base)
+    seconds = synced() - t0
+    sent = new.numel() * new.element_size() if d.form is Form.DENSE else d.nbytes
+    return seconds * total_numel / max(1, new.numel()), sent / max(1, new.numel() * new.element_size())
+
+
 def apply(base: torch.Tensor, form: Form, changed: int, payload: torch.Tensor | None) -> None:
     """Turn ``base`` (1-D) into the new bucket in place, from a payload ``encode`` made against it.
 
@@ -200,13 +217,16 @@ class DeltaChooser:
     """``transport.delta=auto``: whether the next sync of one sender goes as a delta or dense, from
     what its syncs took. The model's bytes are the same every sync, so a dense sync's seconds and
     a delta's compare as they are. Dense first (nothing is held yet, and it measures the dense
-    time); then one delta, to measure it; then whichever was faster last, but dense while a
-    delta saves less than a tenth of the bytes. After ``probe_every`` syncs in a row of one kind
-    the other is tried again: the share of values that change drifts as training goes on, and a
-    first sync's time carries its set-up. A retry that loses doubles the wait before the next
-    one (up to ``max_probe_every``): where one kind always wins (a delta over NVLink loses, over
-    a network link it wins) the retries' cost fades over a run; a retry that wins starts the
-    waits over."""
+    time); then a dense sync that also times encoding one bucket as a delta (``wants_estimate``:
+    ``WeightSender.send_delta(estimate=True)``), from which a whole delta's cost is predicted; a
+    delta is tried only where that prediction beats dense, so a link where a delta cannot win
+    (NVLink, loopback) never sends one. Then whichever was faster last, but dense while a delta
+    saves less than a tenth of the bytes. After ``probe_every`` syncs in a row of one kind the
+    other is tried again (a delta only while predicted to win): the share of values that change
+    drifts as training goes on, and a first sync's time carries its set-up. A retry that loses
+    doubles the wait before the next one (up to ``max_probe_every``), so the retries' cost fades
+    over a run; a retry that wins starts the waits over. A sender that gives no estimate gets a
+    delta to measure instead."""
 
     MAX_SHARE = 0.9  # of the dense bytes: a delta sending more saves too little to pay for its comparison
 
@@ -217,29 +237,53 @@ class DeltaChooser:
         self.dense_s: float | None = None
         self.delta_s: float | None = None
         self.delta_share = 1.0  # the last delta's bytes on the wire, of the dense bytes
+        self.encode_s: float | None = None  # predicted: a whole delta's encoding (``estimate``)
+        self.estimating = False  # the sync being chosen is to give an estimate (``send_delta(estimate=True)``)
+        self.estimate_tried = False
         self.last_delta: bool | None = None
         self.in_row = 0
 
+    @property
+    def wants_estimate(self) -> bool:
+        """The next sync (dense) should time one bucket's encoding: nothing predicts a delta yet."""
+        return self.dense_s is not None and self.delta_s is None and self.encode_s is None and not self.estimate_tried
+
     def _delta_faster(self) -> bool:
         return self.delta_share < self.MAX_SHARE and self.delta_s < self.dense_s
+
+    def _delta_hopeless(self) -> bool:
+        """Predicted to lose: its encoding plus its bytes at the dense rate take longer than dense."""
+        return self.encode_s is not None and self.encode_s + self.delta_share * self.dense_s >= self.dense_s
 
     def delta_next(self) -> bool:
         if self.dense_s is None:
             return False
         if self.delta_s is None:
-            return True
+            if self.wants_estimate:
+                self.estimating = True
+                return False
+            return not self._delta_hopeless()
         if self.in_row >= self.wait:
-            return not self.last_delta
+            return not self.last_delta and not self._delta_hopeless()
         return self._delta_faster()
 
-    def record(self, delta: bool, seconds: float, share: float = 1.0) -> None:
+    def record(self, delta: bool, seconds: float, share: float = 1.0,
+               estimate: tuple[float, float] | None = None) -> None:
         """A sync went out (``delta``: as a delta, sending ``share`` of the dense bytes) and took
-        ``seconds`` on the sender."""
+        ``seconds`` on the sender; ``estimate``: (seconds, share) of ``delta.estimate`` it made."""
         retry = self.in_row >= self.wait and delta != self.last_delta
+        self.estimate_tried |= self.estimating
+        self.estimating = False
         if delta:
             self.delta_s, self.delta_share = seconds, share
+            if self.dense_s is not None:  # the measurement replaces the prediction
+                self.encode_s = max(0.0, seconds - share * self.dense_s)
         else:
             self.dense_s = seconds
+        if estimate is not None:
+            self.encode_s = estimate[0]
+            if self.delta_s is None:
+                self.delta_share = estimate[1]
         if retry and self.delta_s is not None and self.dense_s is not None:
             won = self._delta_faster() == delta
             self.wait = self.probe_every if won else min(2 * self.wait, self.max_probe_every)

@@ -26,6 +26,7 @@ from disagg import faults
 from disagg.transport.buckets import (bucket_buffers, bucket_checksum, contiguous_bucket, dtype_name, pack_bucket,
                                      torch_dtype)
 from disagg.transport.delta import BucketDelta, DeltaImage, Form, encode
+from disagg.transport.delta import estimate as estimate_delta
 from disagg.transport.group import TransportGroup
 from disagg.transport.manifest import DTYPE_BYTES, BucketPlan, Manifest, TensorSpec, plan_buckets
 
@@ -68,6 +69,7 @@ class SendStats:
     delta_base: int = 0  # the version a delta was made against; 0: dense
     changed_fraction: float | None = None  # of the elements, against delta_base (None: dense, not compared)
     encode_s: float = 0.0  # of seconds, a delta's packing and comparing before its first byte left
+    estimate: tuple[float, float] | None = None  # a dense sync's ``delta.estimate`` (send_delta(estimate=True))
 
 
 def header_for(manifest: Manifest) -> list[int]:
@@ -313,7 +315,7 @@ class WeightSender:
 
     @torch.no_grad()
     def send_delta(self, manifest: Manifest, image: DeltaImage, named_tensors: NamedTensors | None = None,
-                   fill: BucketFill | None = None, dense: bool = False) -> SendStats:
+                   fill: BucketFill | None = None, dense: bool = False, estimate: bool = False) -> SendStats:
         """Send ``manifest``'s version as the changes from the version ``image`` holds; every receiver
         must be in ``receive_delta`` with its own image. Dense where ``image`` holds no version, or
         with ``dense`` (``transport.delta=auto`` finding dense faster); the image then follows anyway.
@@ -324,14 +326,18 @@ class WeightSender:
         four numbers (``header_for`` and the base version, 0 for dense), a table of (form, changed
         elements) per bucket, then one payload per bucket that changed (``delta``); with ``verify``,
         each is followed by the checksum of the whole new bucket. A failed send leaves the image
-        holding no version. Sources and errors as in ``send``."""
+        holding no version. With ``estimate``, a dense sync against an image that holds a version
+        first times encoding its first bucket as a delta (``delta.estimate``; not counted in its
+        ``seconds``), for ``transport.delta=auto``. Sources and errors as in ``send``."""
         if (named_tensors is None) == (fill is None):
             raise ValueError("WeightSender.send_delta needs exactly one of named_tensors and fill")
         t0 = time.perf_counter()
         group, src = self.group, self.src
         bufs = image.buckets(manifest)  # a new layout holds no version
-        base, image.version = None if dense else image.version, None
+        held = image.version
+        base, image.version = None if dense else held, None
         pack = self._packer(manifest, named_tensors, fill)
+        guess, guess_s = None, 0.0
         if base is None:
             deltas = [BucketDelta(Form.DENSE, p.numel, p.numel, None) for p in manifest.buckets]
         else:
@@ -351,7 +357,12 @@ class WeightSender:
             if d.form is Form.SAME:
                 continue
             if base is None:
-                buf.copy_(pack(i))  # its slot is free again at once: the image's copy goes on the wire
+                packed = pack(i)
+                if i == 0 and estimate and held is not None:  # before anything of this sync is on the wire
+                    t_guess = time.perf_counter()
+                    guess = estimate_delta(packed, buf, sum(p.numel for p in manifest.buckets))
+                    guess_s = time.perf_counter() - t_guess
+                buf.copy_(packed)  # its slot is free again at once: the image's copy goes on the wire
             ops.append(group.broadcast_async(buf if d.form is Form.DENSE else d.payload, src))
             faults.hit("send_bucket")
             if self.verify:
@@ -366,9 +377,10 @@ class WeightSender:
         total = sum(p.nbytes for p in manifest.buckets)
         wire = sum(d.nbytes if d.form is not Form.DENSE else p.nbytes for d, p in zip(deltas, manifest.buckets))
         changed = sum(d.changed for d in deltas) / max(1, sum(p.numel for p in manifest.buckets))
-        stats = SendStats(bytes=wire, seconds=time.perf_counter() - t0, num_buckets=len(manifest.buckets),
+        stats = SendStats(bytes=wire, seconds=time.perf_counter() - t0 - guess_s, num_buckets=len(manifest.buckets),
                           header_unix_s=header_unix_s, dense_bytes=total, delta_base=base or 0,
-                          changed_fraction=None if base is None else changed, encode_s=encode_s if base else 0.0)
+                          changed_fraction=None if base is None else changed, encode_s=encode_s if base else 0.0,
+                          estimate=guess)
         log.debug("[transport:%s:%d] sent policy_version=%d against %s: %.2f of %.1f MiB in %.3f s",
                   group.name, group.rank, manifest.policy_version, base or "nothing (dense)", wire / 2**20,
                   total / 2**20, stats.seconds)

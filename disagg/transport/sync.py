@@ -89,7 +89,7 @@ def _local(p: torch.Tensor) -> torch.Tensor:
 def send_model(group: TransportGroup | None, model: torch.nn.Module, full: Manifest, *, source: str,
                trainer_rank: int, num_trainer_ranks: int, num_buffers: int = 2, verify: bool = False,
                sender: WeightSender | None = None, params: Mapping[str, torch.Tensor] | None = None,
-               image: DeltaImage | None = None, dense: bool = False) -> SendStats | None:
+               image: DeltaImage | None = None, dense: bool = False, estimate: bool = False) -> SendStats | None:
     """Send ``model``'s parameters as ``full.policy_version``; call on every trainer rank.
 
     ``group`` is this rank's source group (None for non-zero ranks in gather mode).
@@ -107,7 +107,7 @@ def send_model(group: TransportGroup | None, model: torch.nn.Module, full: Manif
         s = sender or WeightSender(group, 0, num_buffers, verify, device=device)
         if image is None:
             return s.send(manifest, tensors, fill)
-        return s.send_delta(manifest, image, tensors, fill, dense=dense)
+        return s.send_delta(manifest, image, tensors, fill, dense=dense, estimate=estimate)
 
     if source == "gather":
         if num_trainer_ranks == 1:  # nothing to gather: the parameters themselves (zero-copy when flat)

@@ -27,14 +27,16 @@ def test_bad_values_exit_2_with_the_flag_and_the_value(argv, message, capsys):
 def test_auto_replay_sums_the_times_of_what_the_chooser_picks():
     from disagg.bench.delta import replay_auto
 
-    def rows(dense_s: float, delta_s: float, n: int = 12) -> list[dict]:
+    def rows(dense_s: float, delta_s: float, estimate_s: float | None, n: int = 12) -> list[dict]:
+        guess = {} if estimate_s is None else {"estimate_s": estimate_s, "estimate_share": 0.04}
         return [{"dense_s": dense_s, "delta_s": delta_s, "dense_send_s": dense_s, "delta_send_s": delta_s,
-                 "dense_bytes": 1000, "delta_bytes": 40} for _ in range(n)]
+                 "dense_bytes": 1000, "delta_bytes": 40, **guess} for _ in range(n)]
 
-    fast_link = replay_auto(rows(0.015, 0.045))  # NVLink: one delta to measure, then dense until its retry
-    assert fast_link["choices"] == ["dense", "delta"] + ["dense"] * 8 + ["delta", "dense"]
-    assert fast_link["seconds"] == pytest.approx(10 * 0.015 + 2 * 0.045)
-    assert fast_link["dense_vs_auto"] == pytest.approx(12 * 0.015 / (10 * 0.015 + 2 * 0.045))
-    slow_link = replay_auto(rows(0.7, 0.07))  # sockets: deltas, dense tried again after 8 in a row
-    assert slow_link["choices"] == ["dense"] + ["delta"] * 8 + ["dense"] + ["delta"] * 2
-    assert slow_link["dense_vs_auto"] == pytest.approx(12 * 0.7 / (2 * 0.7 + 10 * 0.07))
+    fast_link = replay_auto(rows(0.015, 0.045, 0.03))  # NVLink: the estimate says a delta cannot win
+    assert fast_link["choices"] == ["dense"] * 12 and fast_link["dense_vs_auto"] == pytest.approx(1.0)
+    unknown = replay_auto(rows(0.015, 0.045, None))  # no estimate: one delta, measured, then dense
+    assert unknown["choices"] == ["dense", "dense", "delta"] + ["dense"] * 9
+    assert unknown["seconds"] == pytest.approx(11 * 0.015 + 0.045)
+    slow_link = replay_auto(rows(0.7, 0.07, 0.03))  # sockets: deltas, dense tried again after 8 in a row
+    assert slow_link["choices"] == ["dense"] * 2 + ["delta"] * 8 + ["dense"] + ["delta"]
+    assert slow_link["dense_vs_auto"] == pytest.approx(12 * 0.7 / (3 * 0.7 + 9 * 0.07))

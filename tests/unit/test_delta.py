@@ -76,48 +76,90 @@ def test_force_dense_skips_the_comparison_and_a_wrong_payload_size_is_refused():
         encode(new, base.float())
 
 
-def test_auto_starts_dense_tries_a_delta_takes_the_faster_and_tries_the_other_again_later():
-    from disagg.transport.delta import DeltaChooser
+class _Syncs:
+    """Syncs chosen by a ``DeltaChooser``, each taking the seconds given; an estimate (seconds, share)
+    is given when the chooser asks for one."""
 
-    c = DeltaChooser(probe_every=3)
-    chosen = []
+    def __init__(self, **kw) -> None:
+        from disagg.transport.delta import DeltaChooser
 
-    def sync(dense_s: float, delta_s: float, share: float = 0.05) -> None:
-        delta = c.delta_next()
-        chosen.append("delta" if delta else "dense")
-        c.record(delta, delta_s if delta else dense_s, share if delta else 1.0)
+        self.c, self.chosen = DeltaChooser(**kw), []
 
-    sync(3.0, 0.1)  # nothing measured: dense (a first sync, slow with its set-up)
-    sync(1.0, 0.1)  # dense measured, delta not yet: a delta
-    for _ in range(5):  # 10x faster: deltas, and after 3 in a row dense again (its first time was inflated)
-        sync(1.0, 0.1)
-    assert chosen == ["dense", "delta", "delta", "delta", "dense", "delta", "delta"]
-    chosen.clear()
-    # deltas got slow (a fast link): dense; the dense retry above lost, so the next delta comes
-    # after 6 dense in a row, not 3, and it losing too doubles the wait again (12)
-    for _ in range(21):
+    def __call__(self, dense_s: float, delta_s: float, share: float = 0.05, estimate: float | None = None) -> None:
+        delta, estimating = self.c.delta_next(), self.c.estimating
+        self.chosen.append("delta" if delta else "dense")
+        self.c.record(delta, delta_s if delta else dense_s, share if delta else 1.0,
+                      estimate=(estimate, share) if estimating and estimate is not None else None)
+
+    def deltas(self) -> list[int]:
+        return [i for i, kind in enumerate(self.chosen) if kind == "delta"]
+
+
+def test_auto_never_sends_a_delta_where_its_estimate_cannot_beat_dense():
+    # NVLink: encoding a delta (predicted from one bucket) takes longer than the whole dense sync
+    sync = _Syncs()
+    for _ in range(200):
+        sync(0.015, 0.045, estimate=0.030)
+    assert sync.deltas() == []
+    # the link slows (dense 0.5 s): at the next retry the delta is predicted to win, is sent, and wins
+    for _ in range(20):
+        sync(0.5, 0.045, estimate=0.030)
+    assert sync.deltas()[0] >= 200 and sync.chosen[-1] == "delta"
+
+
+def test_auto_on_a_slow_link_estimates_then_sends_deltas_and_retries_dense_ever_more_rarely():
+    sync = _Syncs(probe_every=8, max_probe_every=512)
+    for _ in range(1000):
+        sync(0.66, 0.066, estimate=0.030)
+    assert sync.chosen[:3] == ["dense", "dense", "delta"]  # the first sync, then the one that times the estimate
+    dense = [i for i, kind in enumerate(sync.chosen) if kind == "dense"][2:]
+    gaps = [b - a - 1 for a, b in zip(dense, dense[1:])]  # deltas between the dense retries, each lost
+    assert dense[0] == 10 and gaps == [16, 32, 64, 128, 256], (dense, gaps)
+
+
+def test_auto_with_a_wrong_estimate_or_none_measures_one_delta_and_keeps_to_what_it_measured():
+    for estimate in (0.001, None):  # predicted to win but loses; no estimate given (a sender that cannot)
+        sync = _Syncs()
+        for _ in range(100):
+            sync(0.015, 0.045, estimate=estimate)
+        assert sync.deltas() == [2], estimate
+
+
+def test_auto_takes_dense_when_deltas_save_little_even_if_faster_and_follows_deltas_that_get_slow():
+    sync = _Syncs(probe_every=3)
+    for _ in range(4):
+        sync(1.0, 0.1, estimate=0.05)
+    assert sync.chosen == ["dense", "dense", "delta", "delta"]
+    sync.chosen.clear()
+    for _ in range(3):  # deltas got slow: dense at once, and no delta while they are measured slower
         sync(0.5, 2.0)
-    assert [i for i, kind in enumerate(chosen) if kind == "delta"] == [0, 7, 20]
-    chosen.clear()
-    for _ in range(30):  # deltas fast again: found at the next retry (after 24), which wins and resets the wait to 3
-        sync(0.5, 0.1)
-    assert chosen == ["dense"] * 24 + ["delta"] * 3 + ["dense"] + ["delta"] * 2  # (that dense retry lost: next after 6)
-    chosen.clear()
-    for _ in range(5):  # nearly every value changes (a high learning rate): dense even where a delta was faster
-        sync(1.0, 0.9, share=0.95)
-    assert chosen[:3] == ["delta", "dense", "dense"]  # the delta measured 95 % of the bytes: dense, though faster
+    assert sync.chosen == ["delta", "dense", "dense"]
+    sync = _Syncs(probe_every=3)
+    for _ in range(6):  # nearly every value changes (a high learning rate): dense, though a delta was faster
+        sync(1.0, 0.9, share=0.95, estimate=0.01)
+    assert sync.chosen == ["dense", "dense", "delta", "dense", "dense", "dense"]
 
 
-def test_auto_retries_a_losing_kind_ever_more_rarely():
-    # a delta 3x slower than dense on every sync (NVLink): the retries come after 8, 16, 32 ... dense
-    # syncs in a row, so over 1000 syncs 7 deltas are sent, not 1000 / 9
-    from disagg.transport.delta import DeltaChooser
+def test_a_dense_sync_asked_for_an_estimate_times_its_first_bucket_as_a_delta_and_keeps_the_image():
+    # transport.delta=auto's estimate, on a real gloo group of one (the sender alone: the wire is not the point)
+    from disagg.transport.delta import DeltaImage
+    from disagg.transport.group import create_group, pick_free_port
+    from disagg.transport.sender import WeightSender, build_manifest
 
-    c, deltas = DeltaChooser(probe_every=8, max_probe_every=512), []
-    for i in range(1000):
-        delta = c.delta_next()
-        if delta:
-            deltas.append(i)
-        c.record(delta, 3.0 if delta else 1.0, 0.05 if delta else 1.0)
-    gaps = [b - a - 1 for a, b in zip(deltas, deltas[1:])]
-    assert deltas[0] == 1 and gaps == [8, 16, 32, 64, 128, 256]
+    group = create_group(host="127.0.0.1", port=pick_free_port("127.0.0.1"), rank=0, world_size=1, backend="gloo",
+                         timeout_s=30.0, group_name="estimate", device=torch.device("cpu"))
+    try:
+        w = {"a": torch.randn(1000, 100), "b": torch.randn(5000)}
+        m = build_manifest(w.items(), 1 << 16, 1, "bfloat16")  # bucket 0: the first 32768 elements of a
+        sender, image = WeightSender(group), DeltaImage()
+        assert sender.send_delta(m, image, w, estimate=True).estimate is None  # nothing held to compare with
+        w["a"][:10] += 1.0  # 1000 elements of bucket 0
+        st = sender.send_delta(m.with_version(2), image, w, dense=True, estimate=True)
+        assert st.delta_base == 0 and st.bytes == st.dense_bytes and image.version == 2
+        seconds, share = st.estimate
+        assert seconds > 0 and share == pytest.approx(1000 * (4 + 2) / 2**16)  # an index list of bucket 0
+        w["a"][10:20] += 1.0
+        st = sender.send_delta(m.with_version(3), image, w)  # the image followed the dense sync
+        assert st.delta_base == 2 and st.changed_fraction == pytest.approx(1000 / 105000) and st.estimate is None
+    finally:
+        group.destroy()
