@@ -41,6 +41,7 @@ class DeltaOptions:
     timeout_s: float = 600.0
     seed: int = 0
     nccl_socket: bool = False  # NCCL over its socket transport (no NVLink, no shared memory): two nodes' stand-in
+    one_read: bool | None = None  # the sender's delta encoding (WeightSender.one_read): None = its device's default
 
 
 def _trainer(o: DeltaOptions, port: int, device: str, out) -> None:
@@ -59,7 +60,8 @@ def _trainer(o: DeltaOptions, port: int, device: str, out) -> None:
     manifest = build_manifest(params.items(), o.bucket_mb << 20, 0, o.wire_dtype)
     group = create_group(host=HOST, port=port, rank=0, world_size=2, backend="nccl" if dev.type == "cuda" else "gloo",
                          timeout_s=o.timeout_s, group_name="bench-delta", device=dev)
-    sender, image, steps = WeightSender(group, device=dev), DeltaImage(dev), []
+    sender, image, steps = WeightSender(group, device=dev, one_read=o.one_read), DeltaImage(dev), []
+    numel = sum(p.numel for p in manifest.buckets)
     gen = torch.Generator(device=dev).manual_seed(o.seed + 1)
     vocab = model.config.vocab_size
     sender.send_delta(manifest.with_version(1), image, params)  # version 1: dense, fills both images
@@ -72,8 +74,8 @@ def _trainer(o: DeltaOptions, port: int, device: str, out) -> None:
         train_s = time.perf_counter() - t0
         m, row = manifest.with_version(v), {"version": v, "train_s": train_s}
         with torch.no_grad():  # what auto's estimate would say: the first bucket encoded against the image (v - 1)
-            row["estimate_s"], row["estimate_share"] = estimate(pack_bucket(manifest.buckets[0], params),
-                                                                image.buckets(m)[0], sum(p.numel for p in manifest.buckets))
+            first = pack_bucket(manifest.buckets[0], params)
+            row["estimate_s"], row["estimate_share"] = estimate(first, image.buckets(m)[0], numel, sender.one_read)
         for kind in (("delta", "dense") if v % 2 else ("dense", "delta")):
             group.barrier()
             s = sender.send_delta(m, image, params) if kind == "delta" else sender.send(m, params)
@@ -86,7 +88,7 @@ def _trainer(o: DeltaOptions, port: int, device: str, out) -> None:
     group.barrier()
     group.destroy()
     out.put(("trainer", {"steps": steps, "checksums": sums, "bytes": manifest.total_bytes,
-                         "num_buckets": len(manifest.buckets)}))
+                         "num_buckets": len(manifest.buckets), "one_read": sender.one_read}))
 
 
 def _receiver(o: DeltaOptions, port: int, device: str, out) -> None:
@@ -179,7 +181,8 @@ def run(o: DeltaOptions) -> dict[str, Any]:
         r["bytes_ratio"] = r["dense_bytes"] / max(1, r["delta_bytes"])
         r["speedup"] = r["dense_s"] / r["delta_s"] if r["delta_s"] > 0 else None
     return {"options": asdict(o), "machine": machine(device), "device": device, "bytes": reports["trainer"]["bytes"],
-            "num_buckets": reports["trainer"]["num_buckets"], "steps": rows, "auto": replay_auto(rows),
+            "num_buckets": reports["trainer"]["num_buckets"], "one_read": reports["trainer"]["one_read"],
+            "steps": rows, "auto": replay_auto(rows),
             "median_changed_fraction": statistics.median(r["changed_fraction"] for r in rows),
             "median_bytes_ratio": statistics.median(r["bytes_ratio"] for r in rows),
             "median_speedup": statistics.median(r["speedup"] for r in rows if r["speedup"] is not None),
@@ -212,7 +215,8 @@ def render(report: dict[str, Any]) -> None:
     from rich.table import Table
 
     o = report["options"]
-    link = ", NCCL over sockets" if o["nccl_socket"] else ""
+    link = (", NCCL over sockets" if o["nccl_socket"] else "") + (
+        ", deltas compared in one pass" if report.get("one_read") else ", deltas compared bucket by bucket")
     t = Table(title=f"disagg bench delta: {o['shape']} ({report['bytes'] / 1e6:.1f} MB in {o['wire_dtype']}), "
                     f"AdamW lr {o['lr']:g}, {report['machine']}{link}")
     for col in ("version", "changed", "dense MB", "delta MB", "bytes ratio", "dense s", "delta s", "speedup"):
@@ -248,10 +252,13 @@ def parse_args(argv: list[str]) -> tuple[DeltaOptions, str | None]:
     p.add_argument("--timeout", type=float, default=d.timeout_s, help="seconds for the group and each collective")
     p.add_argument("--nccl-socket", action="store_true",
                    help="NCCL over its socket transport (NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1): two nodes' stand-in")
+    p.add_argument("--one-read", action=argparse.BooleanOptionalAction, default=None,
+                   help="compare every bucket first with one host read (the GPU default), or one bucket at a time "
+                        "(--no-one-read, the CPU default)")
     p.add_argument("--json", default=None, help="write the report here")
     a = p.parse_args(argv)
     return DeltaOptions(a.shape, a.steps, a.lr, a.device, a.wire_dtype, a.bucket_mb, a.batch, a.seq_len,
-                        a.timeout, nccl_socket=a.nccl_socket), a.json
+                        a.timeout, nccl_socket=a.nccl_socket, one_read=a.one_read), a.json
 
 
 def main(argv: list[str]) -> int:

@@ -128,17 +128,49 @@ def encode(new: torch.Tensor, base: torch.Tensor, force_dense: bool = False) -> 
     return BucketDelta(form, numel, changed, torch.cat([where, values]))
 
 
-def estimate(new: torch.Tensor, base: torch.Tensor, total_numel: int) -> tuple[float, float]:
+def mark(new: torch.Tensor, base: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where ``new`` differs from ``base``, as packed bits (``MASK``'s layout), and how many: both on
+    the device, no host read. With ``encode_marked`` the encoding of ``encode`` in two passes, so a
+    sender reads every bucket's count at once instead of one bucket at a time."""
+    changed = changed_mask(new, base)
+    return _pack_mask(changed), changed.sum(dtype=torch.int64)
+
+
+def _positions(mask: torch.Tensor, count: int) -> torch.Tensor:
+    try:
+        return torch.nonzero_static(mask, size=count).reshape(-1)  # the size known: no host read
+    except (AttributeError, NotImplementedError, RuntimeError):  # a torch or device without it
+        return mask.nonzero().reshape(-1)
+
+
+def encode_marked(new: torch.Tensor, marks: torch.Tensor, changed: int) -> BucketDelta:
+    """``encode``'s delta of the bucket ``new`` from ``mark``'s bits and count (the base may since
+    hold ``new``): the same form and payload, without a host read."""
+    numel, item = new.numel(), new.element_size()
+    form = choose_form(numel, changed, item)
+    if form in (Form.SAME, Form.DENSE):
+        return BucketDelta(form, numel, changed, None)
+    at = _positions(_unpack_mask(marks, numel), changed)
+    where = at.to(torch.int32).view(torch.uint8) if form is Form.INDEX else marks
+    return BucketDelta(form, numel, changed, torch.cat([where, new.index_select(0, at).view(torch.uint8)]))
+
+
+def estimate(new: torch.Tensor, base: torch.Tensor, total_numel: int, marked: bool = False) -> tuple[float, float]:
     """What a delta of a whole model would cost to encode, from encoding one of its buckets: the
-    seconds ``encode(new, base)`` took scaled to ``total_numel`` elements, and the share of the
-    bucket's bytes the delta would send (``base`` is left as it was)."""
+    seconds ``encode(new, base)`` took (``marked``: ``mark`` then ``encode_marked``, as a sender
+    with ``one_read`` does) scaled to ``total_numel`` elements, and the share of the bucket's bytes
+    the delta would send (``base`` is left as it was)."""
     def synced() -> float:
         if new.device.type == "cuda":
             torch.cuda.synchronize(new.device)
         return time.perf_counter()
 
     t0 = synced()
-    d = encode(new, base)
+    if marked:
+        bits, count = mark(new, base)
+        d = encode_marked(new, bits, int(count))
+    else:
+        d = encode(new, base)
     seconds = synced() - t0
     sent = new.numel() * new.element_size() if d.form is Form.DENSE else d.nbytes
     return seconds * total_numel / max(1, new.numel()), sent / max(1, new.numel() * new.element_size())

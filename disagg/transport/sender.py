@@ -25,7 +25,7 @@ import torch
 from disagg import faults
 from disagg.transport.buckets import (bucket_buffers, bucket_checksum, contiguous_bucket, dtype_name, pack_bucket,
                                      torch_dtype)
-from disagg.transport.delta import BucketDelta, DeltaImage, Form, encode
+from disagg.transport.delta import BucketDelta, DeltaImage, Form, choose_form, encode, encode_marked, mark
 from disagg.transport.delta import estimate as estimate_delta
 from disagg.transport.group import TransportGroup
 from disagg.transport.manifest import DTYPE_BYTES, BucketPlan, Manifest, TensorSpec, plan_buckets
@@ -170,7 +170,7 @@ class WeightSender:
     """
 
     def __init__(self, group: TransportGroup, src: int = 0, num_buffers: int = 2, verify: bool = False,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, one_read: bool | None = None) -> None:
         if group.rank != src:
             raise ValueError(f"WeightSender must run on the source rank {src}, this is rank {group.rank}")
         if num_buffers < 1:
@@ -180,6 +180,10 @@ class WeightSender:
         self.num_buffers = num_buffers
         self.verify = verify
         self.device = device if device is not None else group.device
+        # A delta's buckets compared all at once with one host read of their counts, then encoded
+        # as they go on the wire (GPUs: no stall per bucket); else one bucket at a time (CPUs,
+        # where a read costs nothing and the extra pass over packed bits would).
+        self.one_read = self.device.type == "cuda" if one_read is None else one_read
         self._after_pack: Callable[[int, torch.Tensor], None] | None = None  # fault injection in tests
         self._slots: list[dict[str, torch.Tensor]] = []
         self._slots_key: str | None = None
@@ -340,6 +344,17 @@ class WeightSender:
         guess, guess_s = None, 0.0
         if base is None:
             deltas = [BucketDelta(Form.DENSE, p.numel, p.numel, None) for p in manifest.buckets]
+        elif self.one_read:
+            marks, counts = [], []
+            for i, buf in enumerate(bufs):
+                packed = pack(i)
+                bits, count = mark(packed, buf)
+                marks.append(bits)
+                counts.append(count)
+                buf.copy_(packed)  # the image holds the new bucket; its changes are in the bits
+            counts = torch.stack(counts).tolist()  # this sync's one host read
+            deltas = [BucketDelta(choose_form(b.numel(), c, b.element_size()), b.numel(), c, None)
+                      for b, c in zip(bufs, counts)]
         else:
             deltas = []
             for i, buf in enumerate(bufs):
@@ -356,11 +371,13 @@ class WeightSender:
         for i, (d, buf) in enumerate(zip(deltas, bufs)):
             if d.form is Form.SAME:
                 continue
+            if d.form in (Form.INDEX, Form.MASK) and d.payload is None:  # marked: encoded as it goes out
+                d = deltas[i] = encode_marked(buf, marks[i], d.changed)
             if base is None:
                 packed = pack(i)
                 if i == 0 and estimate and held is not None:  # before anything of this sync is on the wire
                     t_guess = time.perf_counter()
-                    guess = estimate_delta(packed, buf, sum(p.numel for p in manifest.buckets))
+                    guess = estimate_delta(packed, buf, sum(p.numel for p in manifest.buckets), self.one_read)
                     guess_s = time.perf_counter() - t_guess
                 buf.copy_(packed)  # its slot is free again at once: the image's copy goes on the wire
             ops.append(group.broadcast_async(buf if d.form is Form.DENSE else d.payload, src))

@@ -11,9 +11,10 @@ from disagg.bench.delta import main
 
 def test_bench_delta_reports_each_steps_bytes_and_seconds_both_ways_and_an_exact_receiver_after_50(tmp_path, capsys):
     out = tmp_path / "delta.json"
-    assert main(["--steps", "50", "--lr", "1e-5", "--bucket-mb", "1", "--json", str(out)]) == 0
+    # --one-read: every bucket compared first, one host read, each encoded as it goes (the GPU default)
+    assert main(["--steps", "50", "--lr", "1e-5", "--bucket-mb", "1", "--one-read", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
-    assert report["exact"] is True  # the receiver's weights after 50 deltas: the trainer's bf16 cast
+    assert report["exact"] is True and report["one_read"] is True  # after 50 deltas: the trainer's bf16 cast
     rows = report["steps"]
     assert [r["version"] for r in rows] == list(range(2, 52))
     for r in rows:
@@ -22,5 +23,7 @@ def test_bench_delta_reports_each_steps_bytes_and_seconds_both_ways_and_an_exact
         assert 0 < r["changed_fraction"] < 0.5
         assert r["bytes_ratio"] == r["dense_bytes"] / r["delta_bytes"]
         assert r["dense_s"] > 0 and r["delta_s"] > 0 and r["speedup"] == r["dense_s"] / r["delta_s"]
+        assert r["estimate_s"] > 0 and 0 < r["estimate_share"] <= 1  # auto's estimate, from the first bucket
+    assert len(report["auto"]["choices"]) == 50
     printed = capsys.readouterr().out
     assert "bit for bit after 50 deltas: yes" in printed and "fewer" in printed

@@ -39,7 +39,8 @@ def _delta(rank: int, world: int, port: int, verify: bool) -> dict:
     group = _group(rank, world, port, timeout_s=30.0)
     try:
         if rank == 0:
-            sender, image, stats = WeightSender(group, verify=verify), DeltaImage(), []
+            # verified: the buckets compared all at once (one host read, as on GPUs); plain: one at a time
+            sender, image, stats = WeightSender(group, verify=verify, one_read=verify), DeltaImage(), []
             for v in (1, 2, 3, 4, 4):
                 if len(stats) == 4:  # the second send of version 4: rank 2 refused the first
                     image.invalidate()
@@ -77,7 +78,7 @@ def _delta_plain(rank: int, world: int, port: int) -> dict:
     return _delta(rank, world, port, verify=False)
 
 
-@pytest.mark.parametrize("target", [_delta_verified, _delta_plain], ids=["verify", "plain"])
+@pytest.mark.parametrize("target", [_delta_verified, _delta_plain], ids=["verify-one-read", "plain"])
 def test_delta_syncs_rebuild_every_version_exactly_and_send_only_what_changed(target) -> None:
     reports, codes = _spawn(target, world=3, ranks=[0, 1, 2])
     assert all(reports[r]["ok"] for r in (0, 1, 2)), reports

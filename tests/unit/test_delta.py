@@ -163,3 +163,26 @@ def test_a_dense_sync_asked_for_an_estimate_times_its_first_bucket_as_a_delta_an
         assert st.delta_base == 2 and st.changed_fraction == pytest.approx(1000 / 105000) and st.estimate is None
     finally:
         group.destroy()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int64])
+def test_marked_encoding_in_two_passes_gives_the_same_forms_and_payloads(dtype):
+    from disagg.transport.delta import encode_marked, mark
+
+    gen = torch.Generator().manual_seed(3)
+    forms = set()
+    for numel in (1, 7, 4099, 100_000):
+        for share in (0.0, 0.001, 0.05, 0.3, 1.0):
+            base = (torch.randn(numel, generator=gen) * 100).to(dtype)
+            new = base.clone()
+            moved = torch.rand(numel, generator=gen) < share
+            new[moved] = (new[moved].float() * 1.5 + 1).to(dtype)
+            want = encode(new, base)
+            bits, count = mark(new, base)
+            base.copy_(new)  # as a sender does between the passes: the image takes the new bucket
+            got = encode_marked(new, bits, int(count))
+            assert (got.form, got.changed) == (want.form, want.changed), (numel, share)
+            assert (got.payload is None) == (want.payload is None) and (
+                got.payload is None or torch.equal(got.payload, want.payload)), (numel, share)
+            forms.add(got.form)
+    assert forms == set(Form)  # every form was compared
