@@ -51,3 +51,30 @@ def test_fifty_delta_syncs_leave_every_vllm_parameter_the_bf16_cast_of_the_train
     assert not differ, differ[:10]
     assert ray.get(engine.get_transfer_stats.remote(), timeout=60)["load_mode"] == "direct"
 
+
+
+def test_an_engine_refusing_a_delta_over_nccl_keeps_serving_and_gets_that_version_again_dense(job, tok):
+    # As tests/integration/test_delta_sync.py on CPU, over NCCL into vLLM's worker on its GPU: the
+    # worker forgets its image's version, refuses the next delta (nothing loaded), is kept, and the
+    # version goes again dense on a rebuilt group; the next sync is a delta again.
+    import ray
+
+    from disagg.train import make_pipeline
+    from disagg.transport.buckets import bucket_checksum
+
+    engine = job.rollout.engines[0]
+    version = ray.get(engine.get_version.remote(), timeout=60)["policy_version"]
+    if version == 0:  # run alone
+        job.sync_weights(1, trainer_step=0)
+        version = 1
+    ray.get(engine.arm_fault.remote("delta_image_lost", "flag", 1), timeout=60)
+    job.coordinator.state.set_max_staleness(0)
+    records = make_pipeline(job.cfg, job, tok).run(2, first_step=version)
+    last = records[-1]
+    assert last["transport/sync_failures"] == 1 and last["transport/sync_retries"] == 1, last
+    assert last["rollout/engine_deaths"] == 0 and job.rollout.engines[0] is engine, last
+    assert [r["weight_sync/delta"] for r in records] == [0, 1]
+    assert records[0]["weight_sync/bytes_on_wire"] == records[0]["weight_sync/bytes"]
+    want = _as_vllm_parameters(ray.get(job.trainer.rank0.full_state_dict.remote(), timeout=120))
+    got = ray.get(engine.param_checksums.remote(), timeout=120)
+    assert not [n for n, t in want.items() if got[n] != bucket_checksum(t.reshape(-1)).tolist()]
