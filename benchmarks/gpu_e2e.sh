@@ -103,7 +103,7 @@ case "$stage" in
     n=0   # at most 8 files come back from a call: metrics first, then logs and plots
     for f in $(ls "$q"/out/*.json "$q"/out/*.metrics.jsonl "$q"/out/*.log "$q"/out/*.reward.png 2>/dev/null); do
       name=$(basename "$f"); name=${name%.metrics.jsonl}; name=${name%.log}; name=${name%.reward.png}
-      name=${name%.json}
+      name=${name%.json}; name=${name%.trace}   # NAME.trace.json: a bench's --trace
       grep -q "^$name rc=" "$q/done.txt" || continue
       [ -e "$q/sent.$(basename "$f")" ] && continue
       [ $n -lt 8 ] || break

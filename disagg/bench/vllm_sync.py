@@ -92,6 +92,7 @@ class VllmSyncOptions:
     peer: str | None = None  # vllm-nccl | checkpoint-engine: another route into the same engine (GPUs)
     armed: bool = True  # each load mode also with the engines' receives armed before the announce
     snapshot: bool = True  # the first load mode also pushed from a snapshot (staleness >= 1)
+    trace: str | None = None  # a Chrome trace of one more push (armed when the bench arms), written here
 
 
 def resolve_options(given: dict[str, Any], gpus: int) -> VllmSyncOptions:
@@ -224,6 +225,16 @@ def run(o: VllmSyncOptions) -> dict[str, Any]:
                                          "timeline": s.timeline, "copy_plan": plan})
                 log.warning("%s %d/%d: raw %.4f s, sync %.4f s (%s)", label, i + 1, o.warmup + o.repeats, r,
                             s.seconds, plan or "loader")
+        if o.trace:  # one more sync of the first mode, its trainer push under the profiler (not timed)
+            ray.get(job.trainer.transport_method(0, "trace_next_push").remote(str(Path(o.trace).resolve())),
+                    timeout=60)
+            ray.get([e.set_load_mode.remote(o.loads[0]) for e in engines], timeout=60)
+            version += 1
+            if o.armed:
+                job.arm_sync(version, timeout_s=cfg.transport.timeout_s)
+                time.sleep(_ARM_SETTLE_S)
+            job.finish_sync(job.start_sync(version, trainer_step=version - 1))
+            report["trace"] = str(Path(o.trace).resolve())
         peer_runs: list[dict[str, float]] = []
         if o.peer == "vllm-nccl":  # vLLM's calls go to its own engine for the peer's block (not timed)
             ray.get([e.peer_use.remote("vllm-nccl") for e in engines], timeout=60)
@@ -373,6 +384,8 @@ def main(argv: list[str]) -> int:
                    help="skip the block pushed from a snapshot (the push of a staleness >= 1 run)")
     p.add_argument("--no-armed", dest="armed", action="store_false",
                    help="skip the blocks with the engines' receives armed before the announce")
+    p.add_argument("--trace", default=None, metavar="PATH",
+                   help="one more sync at the end, the trainer's push written here as a Chrome trace (torch.profiler)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the report as JSON")
     p.add_argument("overrides", nargs="*", metavar="key=value",
                    help="`disagg train` overrides (e.g. shape=qwen2.5-1.5b cluster=gpu)")

@@ -74,8 +74,28 @@ class TrainerPush:
         self._coord.announce_version(m, trainer_step)
         return m.layout_digest()
 
+    def trace_next_push(self, path: str) -> None:
+        """Benchmarks: the next push runs under ``torch.profiler`` (host and, on a GPU, device
+        activity) and is written to ``path`` as a Chrome trace: where its time goes, step by step."""
+        self._trace_path = path
+
     def push_weights(self, policy_version: int, from_snapshot: bool = False, arm_id: int = 0,
                      go_timeout_s: float | None = None) -> dict[str, Any]:
+        """``_push``, under the profiler when ``trace_next_push`` asked (its timings then carry the
+        profiler's cost)."""
+        path, self._trace_path = self._trace_path, None
+        if path is None:
+            return self._push(policy_version, from_snapshot, arm_id, go_timeout_s)
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+        with profile(activities=activities) as prof:
+            out = self._push(policy_version, from_snapshot, arm_id, go_timeout_s)
+        prof.export_chrome_trace(path)
+        return {**out, "trace": path}
+
+    def _push(self, policy_version: int, from_snapshot: bool = False, arm_id: int = 0,
+              go_timeout_s: float | None = None) -> dict[str, Any]:
         """Send the current parameters as ``policy_version``; every rank must call this
         (gather mode: the full-tensor gathers are collectives over the trainer ranks).
         ``arm_id``: the engines wait on the group in an armed receive; this wakes them first.

@@ -71,6 +71,7 @@ class TrainerWorker(TrainerPush, TrainerPeers):
         self._step_delay_s = cfg.step_delay_s
         self._hold: tuple[threading.Event, float] | None = None  # tests: the next step waits for release_step
         self._coord = None
+        self._trace_path: str | None = None  # benchmarks: the next push runs under the profiler (trace_next_push)
 
     # ---- setup ---------------------------------------------------------------------
     def node_ip(self) -> str:

@@ -68,7 +68,8 @@ def test_summary_puts_the_peer_against_the_fastest_mode():
 def test_bench_vllm_sync_times_a_raw_broadcast_and_each_syncs_phases(tmp_path):
     out = tmp_path / "vs.json"
     cmd = [sys.executable, "-m", "disagg", "bench", "vllm-sync", "--device", "cpu", "--repeats", "2",
-           "--run-dir", str(tmp_path / "run"), "--json", str(out), "rollout.gpu_memory_utilization=0.06"]
+           "--run-dir", str(tmp_path / "run"), "--json", str(out), "--trace", str(tmp_path / "push.trace.json"),
+           "rollout.gpu_memory_utilization=0.06"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=540)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(out.read_text())
@@ -108,6 +109,10 @@ def test_bench_vllm_sync_times_a_raw_broadcast_and_each_syncs_phases(tmp_path):
     assert "load=layerwise, armed" in proc.stdout and "announce -> the last engine serving" in proc.stdout
     # pushed from a snapshot the trainer took before (not in the sync): the wire's bytes, laid out as its buckets
     assert len(r["syncs"]["layerwise, from a snapshot"]) == 2
+    # --trace: one more (armed) push under the profiler, as a Chrome trace with the send's broadcasts in it
+    assert r["trace"] == str(tmp_path / "push.trace.json")
+    events = json.loads((tmp_path / "push.trace.json").read_text())["traceEvents"]
+    assert any("broadcast" in str(e.get("name", "")) for e in events), sorted({e.get("name") for e in events})[:40]
     assert r["snapshot"]["bytes"] == r["bytes"] and r["snapshot"]["seconds"] > 0
     snap = r["modes"]["layerwise, from a snapshot"]
     assert snap["raw_vs_sync"] == pytest.approx(r["raw_s"] / snap["seconds"])
