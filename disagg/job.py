@@ -102,6 +102,7 @@ class Job:
         self._manifest = None  # the trainer's manifest (asked of it at the first sync)
         self.armed: ArmedReceive | None = None
         self._arm_ids = 0
+        self._last_sync_s: float | None = None  # the last sync's announce -> serving (``sync_stats``)
         self._signals = None  # StoreSignals: the driver's word to armed pushes, into each group's store
 
     @classmethod
@@ -230,7 +231,8 @@ class Job:
         self._arm_ids += 1
         refs = self.rollout.receive_weights_async(policy_version, digest=self._manifest.layout_digest(), ack=False,
                                                   arm_id=self._arm_ids, arm_timeout_s=timeout_s)
-        pushes = (self.trainer.push_weights_async(policy_version, False, self._arm_ids, go_timeout_s=timeout_s)
+        pushes = (self.trainer.push_weights_async(policy_version, False, self._arm_ids, go_timeout_s=timeout_s,
+                                                  last_sync_s=self._take_last_sync_s())
                   if self._signals is not None else [])
         self.armed = ArmedReceive(self._arm_ids, policy_version, refs, tuple(self.rollout.engine_ids),
                                   self.transport_epoch, pushes)
@@ -299,13 +301,14 @@ class Job:
             self._go(armed, ARM_SEND)
             pushes, receives = armed.pushes, armed.refs
         elif armed is not None:  # the engines wait on the group: the trainer's push wakes them
-            pushes = self.trainer.push_weights_async(policy_version, from_snapshot, armed.arm_id)
+            pushes = self.trainer.push_weights_async(policy_version, from_snapshot, armed.arm_id,
+                                                     last_sync_s=self._take_last_sync_s())
             receives = armed.refs
         else:
             # The engines first: their way onto the group (the actor, then vLLM's engine core into its
             # worker) is longer than the trainer's, and the wire starts when the last party is on it.
             receives = self.rollout.receive_weights_async(policy_version, digest=manifest.layout_digest(), ack=False)
-            pushes = self.trainer.push_weights_async(policy_version, from_snapshot)
+            pushes = self.trainer.push_weights_async(policy_version, from_snapshot, last_sync_s=self._take_last_sync_s())
         return PendingSync(policy_version, t0, pushes + receives, len(pushes), tuple(self.rollout.engine_ids),
                            from_snapshot=from_snapshot, wall0=wall0, armed=armed is not None)
 
@@ -326,7 +329,16 @@ class Job:
         committed = self.coordinator.state.committed_version()
         if committed != policy_version:
             raise TransportError(f"after sync of version {policy_version} the committed version is {committed}")
-        return self.sync_stats(pending, outs[:n], outs[n:])
+        stats = self.sync_stats(pending, outs[:n], outs[n:])
+        # transport.delta=auto: the next push tells its chooser what this one cost end to end (the
+        # last engine serving, by the parties' clocks), the receivers' work included
+        self._last_sync_s = stats.timeline.get("worker_out") or stats.seconds
+        return stats
+
+    def _take_last_sync_s(self) -> float | None:
+        """The last finished sync's announce -> serving, once (a push after a failed sync gets none)."""
+        last, self._last_sync_s = self._last_sync_s, None
+        return last
 
     def sync_stats(self, pending: "PendingSync", sent: list[dict], received: list = ()) -> SyncStats:
         """A finished sync's figures from what the trainer ranks' pushes returned and the engines'

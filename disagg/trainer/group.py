@@ -106,15 +106,17 @@ class TrainerGroup:
         }
 
     def push_weights_async(self, policy_version: int, from_snapshot: bool = False, arm_id: int = 0,
-                           go_timeout_s: float | None = None) -> list:
+                           go_timeout_s: float | None = None, last_sync_s: float | None = None) -> list:
         """Start the weight push on every rank (rank 0 sends, or every rank with source=shards);
         returns the refs. ``from_snapshot``: send the copy taken by the train step that made
         ``policy_version`` while the next step may train. ``arm_id``: the engines' armed receive the
         push wakes. ``go_timeout_s``: an armed push, which waits for the driver's word in the group's
-        store (``TrainerWorker.push_weights``; overlap_push only: it waits on the transport thread)."""
+        store (``TrainerWorker.push_weights``; overlap_push only: it waits on the transport thread).
+        ``last_sync_s``: what the sync before took end to end, for ``transport.delta=auto``."""
         if go_timeout_s is not None and not self.overlap_push:
             raise ValueError("an armed push waits on the trainer's transport thread: it needs transport.overlap_push")
-        return [self.transport_method(r, "push_weights").remote(policy_version, from_snapshot, arm_id, go_timeout_s)
+        return [self.transport_method(r, "push_weights").remote(policy_version, from_snapshot, arm_id, go_timeout_s,
+                                                                last_sync_s)
                 for r in range(len(self.workers))]
 
     def disarm_async(self, arm_id: int) -> list:

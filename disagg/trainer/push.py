@@ -80,9 +80,12 @@ class TrainerPush:
         self._trace_path = path
 
     def push_weights(self, policy_version: int, from_snapshot: bool = False, arm_id: int = 0,
-                     go_timeout_s: float | None = None) -> dict[str, Any]:
+                     go_timeout_s: float | None = None, last_sync_s: float | None = None) -> dict[str, Any]:
         """``_push``, under the profiler when ``trace_next_push`` asked (its timings then carry the
-        profiler's cost)."""
+        profiler's cost). ``last_sync_s``: the sync before, announce -> serving, as the driver saw
+        it; ``transport.delta=auto`` weighs that sync's kind by it (the receivers' work included)."""
+        if self.delta_chooser is not None and last_sync_s:
+            self.delta_chooser.amend(last_sync_s)
         path, self._trace_path = self._trace_path, None
         if path is None:
             return self._push(policy_version, from_snapshot, arm_id, go_timeout_s)

@@ -299,6 +299,19 @@ class DeltaChooser:
             return not self.last_delta and not self._delta_hopeless()
         return self._delta_faster()
 
+    def amend(self, seconds: float) -> None:
+        """The last sync took ``seconds`` end to end (the driver's announce -> every engine serving):
+        its kind is weighed by that from now on, not by what its sender measured, which leaves out
+        the receivers' applying and loading."""
+        if self.last_delta is None:
+            return
+        if self.last_delta:
+            self.delta_s = seconds
+            if self.dense_s is not None:
+                self.encode_s = max(0.0, seconds - self.delta_share * self.dense_s)
+        else:
+            self.dense_s = seconds
+
     def record(self, delta: bool, seconds: float, share: float = 1.0,
                estimate: tuple[float, float] | None = None) -> None:
         """A sync went out (``delta``: as a delta, sending ``share`` of the dense bytes) and took

@@ -186,3 +186,23 @@ def test_marked_encoding_in_two_passes_gives_the_same_forms_and_payloads(dtype):
                 got.payload is None or torch.equal(got.payload, want.payload)), (numel, share)
             forms.add(got.form)
     assert forms == set(Form)  # every form was compared
+
+
+def test_auto_weighs_each_kind_by_the_drivers_end_to_end_time_once_it_comes():
+    # CPU loopback: a delta's send takes what a dense one does, its receivers' applying doubles it end to
+    # end; told the end-to-end times (amend, before each push), the chooser keeps to dense
+    from disagg.transport.delta import DeltaChooser
+
+    def run(amended: bool) -> list[str]:
+        c, chosen, last_total = DeltaChooser(), [], None
+        for _ in range(12):
+            if amended and last_total is not None:
+                c.amend(last_total)
+            delta, estimating = c.delta_next(), c.estimating
+            chosen.append("delta" if delta else "dense")
+            c.record(delta, 1.0 if delta else 1.05, 0.05 if delta else 1.0, estimate=(0.2, 0.05) if estimating else None)
+            last_total = 2.1 if delta else 1.1  # the driver's announce -> serving
+        return chosen
+
+    assert run(amended=False)[2:] == ["delta"] * 8 + ["dense", "delta"]  # the sender alone: deltas look faster
+    assert run(amended=True)[2:] == ["delta"] + ["dense"] * 9  # measured whole, one delta settles it
