@@ -306,11 +306,16 @@ class DeltaChooser:
         if self.last_delta is None:
             return
         if self.last_delta:
-            self.delta_s = seconds
-            if self.dense_s is not None:
-                self.encode_s = max(0.0, seconds - self.delta_share * self.dense_s)
+            self._delta_took(seconds, self.delta_share)
         else:
             self.dense_s = seconds
+
+    def _delta_took(self, seconds: float, share: float) -> None:
+        """A delta sending ``share`` of the dense bytes took ``seconds``: the measurement replaces the
+        prediction of its encoding (what it took beyond its bytes at the dense rate)."""
+        self.delta_s, self.delta_share = seconds, share
+        if self.dense_s is not None:
+            self.encode_s = max(0.0, seconds - share * self.dense_s)
 
     def record(self, delta: bool, seconds: float, share: float = 1.0,
                estimate: tuple[float, float] | None = None) -> None:
@@ -320,9 +325,7 @@ class DeltaChooser:
         self.estimate_tried |= self.estimating
         self.estimating = False
         if delta:
-            self.delta_s, self.delta_share = seconds, share
-            if self.dense_s is not None:  # the measurement replaces the prediction
-                self.encode_s = max(0.0, seconds - share * self.dense_s)
+            self._delta_took(seconds, share)
         else:
             self.dense_s = seconds
         if estimate is not None:
