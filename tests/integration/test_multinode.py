@@ -65,13 +65,29 @@ class TwoNodeCluster:
         self.nodes: list[dict] = []
 
     def start(self) -> None:
-        self._start("head", {"trainer_node": 4}, ["--head", "--port", str(self.gcs_port), "--include-dashboard", "true",
-                                                   "--dashboard-host", "127.0.0.1", "--dashboard-port",
-                                                   str(self.dashboard_port), "--ray-client-server-port",
-                                                   str(self.client_port)])
-        self.wait_nodes(1, 120)
-        self._start("worker", {"rollout_node": 4}, ["--address", f"127.0.0.1:{self.gcs_port}"])
-        self.nodes = self.wait_nodes(2, 120)
+        self._start_node("head", {"trainer_node": 4}, ["--head", "--port", str(self.gcs_port), "--include-dashboard",
+                                                        "true", "--dashboard-host", "127.0.0.1", "--dashboard-port",
+                                                        str(self.dashboard_port), "--ray-client-server-port",
+                                                        str(self.client_port)], 1)
+        self.nodes = self._start_node("worker", {"rollout_node": 4}, ["--address", f"127.0.0.1:{self.gcs_port}"], 2)
+
+    def _start_node(self, name: str, resources: dict, args: list[str], n: int, tries: int = 3) -> list[dict]:
+        """Start one node and wait for ``n`` alive nodes. `ray start` gives a raylet a fixed 30 s
+        to register with the GCS; on a loaded 2-core CI machine a worker's raylet once missed it
+        (CI 2026-11-27: "The current node timed out during startup"). That attempt's process group
+        is killed and the node started again, in a fresh temp dir, up to ``tries`` times."""
+        for attempt in range(1, tries + 1):
+            self._start(name if attempt == 1 else f"{name}-try{attempt}", resources, args)
+            try:
+                return self.wait_nodes(n, 120)
+            except _NodeExited as e:
+                if e.proc is not self.procs[-1] or attempt == tries:
+                    raise AssertionError(str(e)) from None
+                print(f"`ray start` of the {name} node exited ({e.proc.returncode}); starting it again "
+                      f"({attempt + 1}/{tries})")
+                self.procs.pop()
+                _kill_group(e.proc.pid, signal.SIGKILL)
+        raise AssertionError("unreachable")
 
     @property
     def dashboard(self) -> str:
@@ -109,7 +125,8 @@ class TwoNodeCluster:
         out = None
         while time.monotonic() < deadline:
             for p in self.procs:
-                assert p.poll() is None, f"`ray start` exited ({p.returncode}):\n{self.logs()}"
+                if p.poll() is not None:
+                    raise _NodeExited(p, f"`ray start` exited ({p.returncode}):\n{self.logs()}")
             out = self.ray("list", "nodes", "--address", self.dashboard, "--format", "json", "--filter",
                            "state=ALIVE", timeout_s=60)
             if out.returncode == 0:
@@ -152,6 +169,12 @@ class TwoNodeCluster:
                 except ProcessLookupError:
                     pass
             time.sleep(1)
+
+
+class _NodeExited(Exception):
+    def __init__(self, proc: subprocess.Popen, message: str):
+        super().__init__(message)
+        self.proc = proc
 
 
 def _kill_group(pgid: int, sig: int) -> None:
