@@ -225,16 +225,9 @@ def run(o: VllmSyncOptions) -> dict[str, Any]:
                                          "timeline": s.timeline, "copy_plan": plan})
                 log.warning("%s %d/%d: raw %.4f s, sync %.4f s (%s)", label, i + 1, o.warmup + o.repeats, r,
                             s.seconds, plan or "loader")
-        if o.trace:  # one more sync of the first mode, its trainer push under the profiler (not timed)
-            ray.get(job.trainer.transport_method(0, "trace_next_push").remote(str(Path(o.trace).resolve())),
-                    timeout=60)
-            ray.get([e.set_load_mode.remote(o.loads[0]) for e in engines], timeout=60)
+        if o.trace:
             version += 1
-            if o.armed:
-                job.arm_sync(version, timeout_s=cfg.transport.timeout_s)
-                time.sleep(_ARM_SETTLE_S)
-            job.finish_sync(job.start_sync(version, trainer_step=version - 1))
-            report["trace"] = str(Path(o.trace).resolve())
+            report["trace"] = _traced_sync(job, o, version)
         peer_runs: list[dict[str, float]] = []
         if o.peer == "vllm-nccl":  # vLLM's calls go to its own engine for the peer's block (not timed)
             ray.get([e.peer_use.remote("vllm-nccl") for e in engines], timeout=60)
@@ -257,6 +250,20 @@ def run(o: VllmSyncOptions) -> dict[str, Any]:
         job.shutdown()
         ray.shutdown()
     return report
+
+
+def _traced_sync(job, o: VllmSyncOptions, version: int) -> str:
+    """One more sync of the first mode, its trainer push under the profiler (not timed); the trace's path."""
+    import ray
+
+    path = str(Path(o.trace).resolve())
+    ray.get(job.trainer.transport_method(0, "trace_next_push").remote(path), timeout=60)
+    ray.get([e.set_load_mode.remote(o.loads[0]) for e in job.rollout.engines], timeout=60)
+    if o.armed:
+        job.arm_sync(version, timeout_s=job.cfg.transport.timeout_s)
+        time.sleep(_ARM_SETTLE_S)
+    job.finish_sync(job.start_sync(version, trainer_step=version - 1))
+    return path
 
 
 _ARM_SETTLE_S = 0.3  # an armed receive's way onto the group (milliseconds; a train step is longer)

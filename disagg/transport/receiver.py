@@ -93,7 +93,7 @@ class _Receive:
         self.slots = _slots(group, manifest, device, num_buffers)
         self.pending: dict[int, tuple[list, torch.Tensor, torch.Tensor | None]] = {}
         self.staged: list[tuple[str, torch.Tensor]] = []  # verify: every tensor, until all checksums passed
-        self.corrupt: list[int] = []
+        self.sums: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # verify: (bucket, computed, received)
         self.finished: list = []  # ops waited on the stream, to wait on the host at the end
         self.num_tensors = 0
         self.header = torch.zeros(3, dtype=torch.int64, device=device)
@@ -142,11 +142,11 @@ class _Receive:
         plan = self.buckets[i]
         ops, buf, checksum = self.pending.pop(i)
         for op in ops:
-            op.wait(host=self.verify)  # NCCL: the loads below are stream-ordered after the receive
+            op.wait(host=False)  # NCCL: the checksum, copies and loads below are stream-ordered after it
             self.finished.append(op)
         faults.hit("receive_bucket")
-        if self.verify and not torch.equal(bucket_checksum(buf), checksum):
-            self.corrupt.append(plan.index)
+        if checksum is not None:  # compared in finish(), all buckets with one host read
+            self.sums.append((plan.index, bucket_checksum(buf), checksum))
         done = self.reassembler.feed(plan, buf)
         self.num_tensors += len(done)
         if self.verify:
@@ -164,10 +164,11 @@ class _Receive:
         rest = self.reassembler.finish()
         self.num_tensors += len(rest)
         group, manifest, buckets = self.group, self.manifest, self.buckets
-        if self.corrupt:
+        corrupt = _mismatched(self.sums)
+        if corrupt:
             raise ChecksumError(
                 f"group {group.name!r} rank {group.rank}: policy_version={manifest.policy_version} rejected: "
-                f"checksum mismatch in {len(self.corrupt)} of {len(buckets)} buckets (first {self.corrupt[:5]}); "
+                f"checksum mismatch in {len(corrupt)} of {len(buckets)} buckets (first {corrupt[:5]}); "
                 "nothing loaded"
             )
         if self.staged or rest:
@@ -182,6 +183,17 @@ class _Receive:
                   group.name, group.rank, manifest.policy_version, self.num_tensors, stats.num_buckets,
                   stats.bytes / 2**20, stats.seconds)
         return stats
+
+
+def _mismatched(sums: list[tuple[int, torch.Tensor, torch.Tensor]]) -> list[int]:
+    """The bucket indices whose checksum (computed here, received) differ, from (index, computed,
+    received) per bucket: one host read for all of them (on GPUs a read per bucket would stall the
+    stream once per bucket)."""
+    if not sums:
+        return []
+    mine, theirs = torch.stack([t for _, t, _ in sums]), torch.stack([t for _, _, t in sums])
+    matched = (mine == theirs).all(dim=1).tolist()
+    return [index for (index, _, _), ok in zip(sums, matched) if not ok]
 
 
 def receive_delta(group: TransportGroup, manifest: Manifest, load_fn: LoadFn, image: DeltaImage,
@@ -240,11 +252,7 @@ def receive_delta(group: TransportGroup, manifest: Manifest, load_fn: LoadFn, im
             apply(buf, form, changed, payload)
         if checksum is not None:
             sums.append((plan.index, bucket_checksum(buf), checksum))
-    matched: list[bool] = []
-    if sums:  # one host read for every bucket's check
-        mine, theirs = torch.stack([t for _, t, _ in sums]), torch.stack([t for _, _, t in sums])
-        matched = (mine == theirs).all(dim=1).tolist()
-    corrupt = [index for (index, _, _), ok in zip(sums, matched) if not ok]
+    corrupt = _mismatched(sums)
     if corrupt:
         raise ChecksumError(f"group {group.name!r} rank {group.rank}: policy_version={manifest.policy_version} "
                             f"rejected: checksum mismatch in {len(corrupt)} of {len(bufs)} buckets (first "

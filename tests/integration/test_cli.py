@@ -29,11 +29,21 @@ def _ctl(argv) -> tuple[int, str]:
     return rc, buf.getvalue()
 
 
-def test_train_three_steps_writes_metrics_and_ctl_sees_the_live_run(tmp_path, model_cache):
-    root = tmp_path / "runs"
+@pytest.fixture(scope="module")
+def user_run(tmp_path_factory, model_cache):
+    """`disagg train` for three steps on a user's own model directory, JSONL data (one malformed
+    row) and reward function by import path, with `disagg ctl status` polled while it runs: one run
+    serves the CLI's and the user-input tests (each `disagg train` costs a Ray start and an engine)."""
+    from disagg.model.warmstart import prepare_model
+    from tests.conftest import small_config
+
+    tmp = tmp_path_factory.mktemp("cli")
+    model_dir = prepare_model(small_config(model_cache))
+    common = [f"model.path={model_dir}", f"data.train_files=[{_user_data(tmp)}]", "data.prompt_key=question",
+              "reward.name=null", "reward.path=disagg.tasks.reverse:reverse_digits_reward"]
+    root = tmp / "runs"
     run_dir = root / "cli-run"
-    proc = disagg_process(["train", *SMALL_ARGS, f"model.cache_dir={model_cache}", f"logging.root_dir={root}",
-                    f"hydra.run.dir={run_dir}"])
+    proc = disagg_process(["train", *SMALL_ARGS, *common, f"logging.root_dir={root}", f"hydra.run.dir={run_dir}"])
     addr_file = run_dir / "coordinator.addr"
     seen_status = None
     table = ""
@@ -51,6 +61,13 @@ def test_train_three_steps_writes_metrics_and_ctl_sees_the_live_run(tmp_path, mo
                     break
         time.sleep(0.05)
     out, err = proc.communicate(timeout=600)
+    return {"proc": proc, "out": out, "err": err, "run_dir": run_dir, "status": seen_status, "table": table,
+            "model_dir": model_dir, "common": common, "tmp": tmp}
+
+
+def test_train_three_steps_writes_metrics_and_ctl_sees_the_live_run(user_run):
+    proc, out, err, run_dir = user_run["proc"], user_run["out"], user_run["err"], user_run["run_dir"]
+    seen_status, table = user_run["status"], user_run["table"]
     assert proc.returncode == 0, err[-3000:]
     assert seen_status is not None, "never saw a committed version through `disagg ctl status`"
     assert [e["engine_id"] for e in seen_status["engines"]] == [0]
@@ -145,20 +162,11 @@ def _user_data(tmp_path: Path) -> Path:
     return p
 
 
-def test_user_model_data_and_reward_path_train_and_generate(tmp_path, model_cache):
-    from disagg.model.warmstart import prepare_model
-    from tests.conftest import small_config
-
-    model_dir = prepare_model(small_config(model_cache))
-    data = _user_data(tmp_path)
-    common = [f"model.path={model_dir}", f"data.train_files=[{data}]", "data.prompt_key=question",
-              "reward.name=null", "reward.path=disagg.tasks.reverse:reverse_digits_reward"]
-    run_dir = tmp_path / "train-run"
-    proc = disagg_process(["train", *SMALL_ARGS, "trainer.total_steps=2", *common, f"hydra.run.dir={run_dir}"])
-    out, err = proc.communicate(timeout=600)
-    assert proc.returncode == 0, err[-3000:]
-    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert len(recs) == 2 and all(r["data/skipped_rows"] == 1 for r in recs)
+def test_user_model_data_and_reward_path_train_and_generate(user_run):
+    assert user_run["proc"].returncode == 0, user_run["err"][-3000:]
+    model_dir, common, tmp_path = user_run["model_dir"], user_run["common"], user_run["tmp"]
+    recs = [json.loads(x) for x in (user_run["run_dir"] / "metrics.jsonl").read_text().splitlines()]
+    assert len(recs) == 3 and all(r["data/skipped_rows"] == 1 for r in recs)
     assert all(r["samples/trained"] > 0 for r in recs)
 
     # Standalone engines on the real weights: greedy (temperature 0, allowed in generate), every

@@ -1,6 +1,11 @@
 """`disagg train resume=<run_dir>` as a user runs it (subprocesses: real Ray, vLLM, gloo): a run
 with periodic checkpoints on one trainer worker, resumed on two FSDP2 workers for more steps;
-and a checkpoint of two FSDP2 workers resumed on one (trainer actors only)."""
+and a checkpoint of two FSDP2 workers resumed on one (trainer actors only).
+
+The same two runs log to `logging.backends=[jsonl,wandb,mlflow]`, with wandb offline and MLflow's
+store in the run directory: the trackers' histories are read back and compared with metrics.jsonl,
+after the first run and after the resumed one (one pair of runs serves both properties: the suite
+starts two `disagg train` processes here instead of four)."""
 
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import SMALL_CLI, disagg_process, small_config
+from tests.tracker_history import mlflow_history, wandb_history
 
 PROMPTS_PER_STEP = 4  # SMALL_CLI; with max_staleness=0 every step draws exactly this many prompts
 
@@ -18,11 +24,20 @@ def _records(run_dir):
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def _train(args, run_dir, model_cache):
-    proc = disagg_process(["train", *SMALL_CLI, *args, f"model.cache_dir={model_cache}", f"hydra.run.dir={run_dir}"])
+def _train(args, run_dir, model_cache, env):
+    proc = disagg_process(["train", *SMALL_CLI, *args, "logging.backends=[jsonl,wandb,mlflow]",
+                           f"model.cache_dir={model_cache}", f"hydra.run.dir={run_dir}"], env=env)
     out, err = proc.communicate(timeout=900)
     assert proc.returncode == 0, err[-4000:]
     return out + err
+
+
+def _trackers(run_dir, wandb_dir) -> dict:
+    """trackers.json, and the reward/mean history each tracker holds now (step -> value)."""
+    ids = json.loads((run_dir / "trackers.json").read_text())
+    wb = wandb_history(wandb_dir, ids["wandb"]["run_id"])
+    return {"ids": ids, "wandb": wb, "wandb_reward": {s: h["reward/mean"] for s, h in wb.items()},
+            "mlflow_reward": mlflow_history(ids["mlflow"]["tracking_uri"], ids["mlflow"]["run_id"], "reward/mean")}
 
 
 def _optimizer_digest(path):
@@ -44,16 +59,20 @@ def _weight_sum(path) -> float:
 @pytest.fixture(scope="module")
 def resumed_run(tmp_path_factory, model_cache):
     """Steps 1-3 on one worker (checkpoints after step 2 and after the last step, one kept), then
-    ``resume=<run_dir>`` on two FSDP2 workers up to step 5."""
-    run_dir = tmp_path_factory.mktemp("resume") / "run"
+    ``resume=<run_dir>`` on two FSDP2 workers up to step 5; wandb (offline) and MLflow log both."""
+    tmp = tmp_path_factory.mktemp("resume")
+    run_dir = tmp / "run"
+    env = {"WANDB_MODE": "offline", "WANDB_DIR": str(tmp), "WANDB_SILENT": "true", "MLFLOW_TRACKING_URI": ""}
     every = ["trainer.checkpoint_every=2", "trainer.keep_checkpoints=1"]
-    log_a = _train(["trainer.total_steps=3", "trainer.num_workers=1", *every], run_dir, model_cache)
+    log_a = _train(["trainer.total_steps=3", "trainer.num_workers=1", *every], run_dir, model_cache, env)
     ckpt = run_dir / "checkpoints" / "step_000003"
     before = {"records": _records(run_dir), "state": json.loads((ckpt / "state.json").read_text()),
               "checkpoints": sorted(p.name for p in (run_dir / "checkpoints").iterdir()),
-              "optimizer": _optimizer_digest(ckpt), "weights": _weight_sum(ckpt), "log": log_a}
+              "optimizer": _optimizer_digest(ckpt), "weights": _weight_sum(ckpt), "log": log_a,
+              "trackers": _trackers(run_dir, tmp)}
     log_b = _train([f"resume={run_dir}", "trainer.total_steps=5", "trainer.num_workers=2", *every], run_dir,
-                   model_cache)
+                   model_cache, env)
+    before["trackers_resumed"] = _trackers(run_dir, tmp)
     return run_dir, before, log_b
 
 
@@ -107,6 +126,26 @@ def test_the_resumed_run_trains_on_and_checkpoints_with_the_new_pool(resumed_run
     st = json.loads((final / "state.json").read_text())
     # The prompts went on from where the first run stopped (not from row 0 again).
     assert st["data_cursor"] == 5 * PROMPTS_PER_STEP
+
+
+def test_wandb_and_mlflow_get_every_step_and_a_resumed_run_continues_them(resumed_run):
+    run_dir, before, _ = resumed_run
+    first = before["trackers"]
+    assert first["ids"]["mlflow"]["tracking_uri"] == f"sqlite:///{run_dir.resolve()}/mlflow.db"
+    recs = before["records"]
+    reward = {r["step"]: r["reward/mean"] for r in recs}
+    assert sorted(reward) == [1, 2, 3]
+    assert first["mlflow_reward"] == reward
+    assert first["wandb_reward"] == reward
+    assert set(first["wandb"][1]) == {k for k, v in recs[0].items() if k != "step" and isinstance(v, (int, float))}
+
+    resumed = before["trackers_resumed"]
+    assert resumed["ids"] == first["ids"]  # the same wandb and MLflow runs
+    reward = {r["step"]: r["reward/mean"] for r in _records(run_dir)}
+    assert sorted(reward) == [1, 2, 3, 4, 5]
+    assert resumed["mlflow_reward"] == reward
+    assert resumed["wandb_reward"] == reward
+    print("tracker reward/mean by step:", reward)
 
 
 def test_a_checkpoint_of_two_fsdp_workers_resumes_in_one(ray_session, model_cache, tmp_path):
