@@ -41,7 +41,7 @@ class DeltaOptions:
     timeout_s: float = 600.0
     seed: int = 0
     nccl_socket: bool = False  # NCCL over its socket transport (no NVLink, no shared memory): two nodes' stand-in
-    one_read: bool | None = None  # the sender's delta encoding (WeightSender.one_read): None = its device's default
+    one_read: bool = False  # the sender's delta encoding (WeightSender.one_read; its default: off)
 
 
 def _trainer(o: DeltaOptions, port: int, device: str, out) -> None:
@@ -252,9 +252,9 @@ def parse_args(argv: list[str]) -> tuple[DeltaOptions, str | None]:
     p.add_argument("--timeout", type=float, default=d.timeout_s, help="seconds for the group and each collective")
     p.add_argument("--nccl-socket", action="store_true",
                    help="NCCL over its socket transport (NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1): two nodes' stand-in")
-    p.add_argument("--one-read", action=argparse.BooleanOptionalAction, default=None,
-                   help="compare every bucket first with one host read (the GPU default), or one bucket at a time "
-                        "(--no-one-read, the CPU default)")
+    p.add_argument("--one-read", action=argparse.BooleanOptionalAction, default=d.one_read,
+                   help="compare every bucket first with one host read, or one bucket at a time (--no-one-read, "
+                        "the sender's default)")
     p.add_argument("--json", default=None, help="write the report here")
     a = p.parse_args(argv)
     return DeltaOptions(a.shape, a.steps, a.lr, a.device, a.wire_dtype, a.bucket_mb, a.batch, a.seq_len,

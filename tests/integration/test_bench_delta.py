@@ -11,7 +11,7 @@ from disagg.bench.delta import main
 
 def test_bench_delta_reports_each_steps_bytes_and_seconds_both_ways_and_an_exact_receiver_after_50(tmp_path, capsys):
     out = tmp_path / "delta.json"
-    # --one-read: every bucket compared first, one host read, each encoded as it goes (the GPU default)
+    # --one-read: every bucket compared first, one host read, each encoded as it goes (not the default)
     assert main(["--steps", "50", "--lr", "1e-5", "--bucket-mb", "1", "--one-read", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["exact"] is True and report["one_read"] is True  # after 50 deltas: the trainer's bf16 cast

@@ -42,7 +42,7 @@ def test_auto_replay_sums_the_times_of_what_the_chooser_picks():
     assert slow_link["dense_vs_auto"] == pytest.approx(12 * 0.7 / (3 * 0.7 + 9 * 0.07))
 
 
-def test_one_read_is_the_devices_default_unless_asked():
-    assert parse_args([])[0].one_read is None
+def test_one_read_is_off_unless_asked():
+    assert parse_args([])[0].one_read is False
     assert parse_args(["--one-read"])[0].one_read is True
     assert parse_args(["--no-one-read"])[0].one_read is False
