@@ -93,6 +93,8 @@ class VllmSyncOptions:
     armed: bool = True  # each load mode also with the engines' receives armed before the announce
     snapshot: bool = True  # the first load mode also pushed from a snapshot (staleness >= 1)
     trace: str | None = None  # a Chrome trace of one more push (armed when the bench arms), written here
+    delta: bool = False  # a job with transport.delta=on: the blocks dense, then dense and delta after real steps
+    delta_lr: float = 1e-6  # --delta: the trainer's AdamW learning rate (its steps make the versions)
 
 
 def resolve_options(given: dict[str, Any], gpus: int) -> VllmSyncOptions:
@@ -127,7 +129,8 @@ def summarise(raw_s: list[float], syncs: dict[str, list[dict[str, Any]]],
     if peer_s:
         peer = statistics.median(peer_s)
         # against a push from the live parameters (a snapshot's copy is made in the train step before it)
-        best = min(statistics.median(r["seconds"] for r in runs) for m, runs in syncs.items() if SNAPSHOT not in m)
+        best = min(statistics.median(r["seconds"] for r in runs) for m, runs in syncs.items()
+                   if SNAPSHOT not in m and AFTER_STEP not in m)  # the peer sends every byte
         out["peer"] = {"seconds": peer, "raw_vs_peer": raw / peer, "disagg_speedup": peer / best}
         if peer_register_s:
             out["peer"].update(register_s=statistics.median(peer_register_s), disagg_speedup_with_register=(
@@ -163,6 +166,9 @@ def _config(o: VllmSyncOptions):
     data.setdefault("cluster", {})["device"] = o.device
     data.setdefault("logging", {}).update(progress=False, backends=["jsonl"], plot=False)
     data.setdefault("model", {}).setdefault("warmstart", {})["steps"] = 0  # the weights' values do not matter
+    if o.delta:  # the engines keep an image; the trainer's steps change a realistic share of the values
+        data.setdefault("transport", {})["delta"] = "on"
+        data.setdefault("trainer", {})["lr"] = o.delta_lr
     return load_config(data)
 
 
@@ -186,9 +192,10 @@ def run(o: VllmSyncOptions) -> dict[str, Any]:
         nbytes = first.bytes
         report.update(bytes=nbytes, backend=job.backend, engines=len(engines),
                       engine_workers=job.rollout.num_workers, first_sync_s=first.seconds,
-                      trainer=f"{cfg.trainer.num_workers} worker(s), float32 weights, no optimizer state (the bench "
-                              f"trains no step; AdamW's state is made at the first); {cfg.transport.dtype or 'float32'} "
-                              "on the wire")
+                      trainer=f"{cfg.trainer.num_workers} worker(s), float32 weights, "
+                              + (f"AdamW steps at lr {o.delta_lr:g} before the delta block's syncs" if o.delta else
+                                 "no optimizer state (the bench trains no step; AdamW's state is made at the first)")
+                              + f"; {cfg.transport.dtype or 'float32'} on the wire")
         raw_s: list[float] = []
         peer_s: list[float] = []
         blocks = [(m, armed, False) for m in o.loads for armed in ((False, True) if o.armed else (False,))]
@@ -209,22 +216,17 @@ def run(o: VllmSyncOptions) -> dict[str, Any]:
             label = _label(mode, armed, from_snapshot)
             resolved[mode] = ray.get([e.set_load_mode.remote(mode) for e in engines], timeout=60)[0]
             for i in range(o.warmup + o.repeats):
-                r = raw()
+                if o.delta:  # the weights did not change: these blocks time dense syncs
+                    _next_push_as(job, "dense")
                 version += 1
-                if armed:  # the engines get on the group while the trainer "trains" (not timed)
-                    job.arm_sync(version, timeout_s=cfg.transport.timeout_s)
-                    time.sleep(_ARM_SETTLE_S)
-                if from_snapshot:  # what a train step with a snapshot ends with (not timed)
-                    snapshots += ray.get([job.trainer.transport_method(w, "take_snapshot").remote(version)
-                                          for w in range(len(job.trainer.workers))], timeout=cfg.transport.timeout_s)
-                s = job.finish_sync(job.start_sync(version, trainer_step=version - 1, from_snapshot=from_snapshot))
-                plan = ray.get(engines[0].get_transfer_stats.remote(), timeout=60).get("copy_plan", "")
+                r, row = _timed_sync(job, o, raw, version, armed, from_snapshot, snapshots)
                 if i >= o.warmup:
                     raw_s.append(r)
-                    syncs[label].append({"seconds": s.seconds, "send_s": s.send_s, "phases": s.engine_phases,
-                                         "timeline": s.timeline, "copy_plan": plan})
+                    syncs[label].append(row)
                 log.warning("%s %d/%d: raw %.4f s, sync %.4f s (%s)", label, i + 1, o.warmup + o.repeats, r,
-                            s.seconds, plan or "loader")
+                            row["seconds"], row["copy_plan"] or "loader")
+        if o.delta:
+            version = _delta_block(job, o, raw, version, raw_s, syncs)
         if o.trace:
             version += 1
             report["trace"] = _traced_sync(job, o, version)
@@ -246,10 +248,98 @@ def run(o: VllmSyncOptions) -> dict[str, Any]:
                                   "bytes": snapshots[0]["bytes"]}
         report.update(summarise(raw_s, syncs, peer_s, register_s), raw_all_s=raw_s, syncs=syncs,
                       resolved_loads=resolved, peer_all_s=peer_s, peer_all=peer_runs)
+        if o.delta:
+            report["delta"] = delta_summary(syncs, o.loads[0])
     finally:
         job.shutdown()
         ray.shutdown()
     return report
+
+
+def _timed_sync(job, o: VllmSyncOptions, raw, version: int, armed: bool, from_snapshot: bool,
+                snapshots: list) -> tuple[float, dict[str, Any]]:
+    """A raw broadcast, then the sync of ``version`` (armed first, or from a snapshot the bench takes,
+    neither timed): the raw seconds and the sync's row."""
+    import ray
+
+    cfg = job.cfg
+    r = raw()
+    if armed:  # the engines get on the group while the trainer "trains" (not timed)
+        job.arm_sync(version, timeout_s=cfg.transport.timeout_s)
+        time.sleep(_ARM_SETTLE_S)
+    if from_snapshot:  # what a train step with a snapshot ends with (not timed)
+        snapshots += ray.get([job.trainer.transport_method(w, "take_snapshot").remote(version)
+                              for w in range(len(job.trainer.workers))], timeout=cfg.transport.timeout_s)
+    s = job.finish_sync(job.start_sync(version, trainer_step=version - 1, from_snapshot=from_snapshot))
+    plan = ray.get(job.rollout.engines[0].get_transfer_stats.remote(), timeout=60).get("copy_plan", "")
+    return r, {"seconds": s.seconds, "send_s": s.send_s, "phases": s.engine_phases, "timeline": s.timeline,
+               "copy_plan": plan, "wire_bytes": s.wire_bytes if s.wire_bytes is not None else s.bytes,
+               "bytes": s.bytes, "changed_fraction": s.changed_fraction}
+
+
+def _next_push_as(job, kind: str) -> None:
+    import ray
+
+    ray.get([job.trainer.transport_method(w, "next_push_as").remote(kind) for w in range(len(job.trainer.workers))],
+            timeout=60)
+
+
+AFTER_STEP = "after a step"
+DELTA_LABELS = {"dense": "{mode}, dense " + AFTER_STEP, "delta": "{mode}, delta " + AFTER_STEP}
+
+
+def _delta_block(job, o: VllmSyncOptions, raw, version: int, raw_s: list[float],
+                 syncs: dict[str, list[dict[str, Any]]]) -> int:
+    """``--delta``: each version made by one AdamW step at ``--delta-lr`` on random samples (not
+    timed), sent dense and as a delta by turns (each delta against the dense version before it, a
+    step's change), in the first load mode, armed where the bench arms; the timed syncs into
+    ``syncs`` and their raw broadcasts into ``raw_s``. Returns the last version."""
+    import random
+
+    import ray
+
+    mode = o.loads[0]
+    ray.get([e.set_load_mode.remote(mode) for e in job.rollout.engines], timeout=60)
+    vocab = json.loads((Path(job.model_path) / "config.json").read_text())["vocab_size"]
+    rng = random.Random(0)
+    for kind in DELTA_LABELS:
+        syncs[DELTA_LABELS[kind].format(mode=mode)] = []
+    for i in range(2 * (o.warmup + o.repeats)):
+        kind = ("dense", "delta")[i % 2]
+        job.trainer.train_step(_random_samples(rng, vocab, version))
+        _next_push_as(job, kind)
+        version += 1
+        r, row = _timed_sync(job, o, raw, version, o.armed, False, [])
+        if i >= 2 * o.warmup:
+            raw_s.append(r)
+            syncs[DELTA_LABELS[kind].format(mode=mode)].append(row)
+        log.warning("%s after a step %d/%d: raw %.4f s, sync %.4f s, %.1f%% of the bytes", kind, i // 2 + 1,
+                    o.warmup + o.repeats, r, row["seconds"], 100 * row["wire_bytes"] / max(1, row["bytes"]))
+    return version
+
+
+def _random_samples(rng, vocab: int, version: int, n: int = 8, length: int = 16) -> list:
+    """``n`` samples of random tokens with advantages of +-1: a real step's gradients for AdamW."""
+    from disagg.samples import TrainSample
+
+    return [TrainSample([rng.randrange(vocab) for _ in range(length)], [rng.randrange(vocab) for _ in range(length)],
+                        [-2.0] * length, 1.0 if k % 2 else -1.0, 0.0, version) for k in range(n)]
+
+
+def delta_summary(syncs: dict[str, list[dict[str, Any]]], mode: str) -> dict[str, Any]:
+    """``--delta``: the delta syncs against the dense ones, both after a train step: medians of the
+    seconds (the driver's, and the announce -> the last engine serving where stamped), the speed-up,
+    the changed fraction and the share of the bytes on the wire. Pure."""
+    dense, delta = (syncs[DELTA_LABELS[k].format(mode=mode)] for k in ("dense", "delta"))
+    med = statistics.median
+    out = {"dense_s": med(r["seconds"] for r in dense), "delta_s": med(r["seconds"] for r in delta),
+           "changed_fraction": med(r["changed_fraction"] for r in delta),
+           "wire_share": med(r["wire_bytes"] / r["bytes"] for r in delta)}
+    out["delta_speedup"] = out["dense_s"] / out["delta_s"]
+    if all("worker_out" in r.get("timeline", {}) for r in dense + delta):
+        serving = [med(r["timeline"]["worker_out"] for r in runs) for runs in (dense, delta)]
+        out.update(dense_serving_s=serving[0], delta_serving_s=serving[1], delta_serving_speedup=serving[0] / serving[1])
+    return out
 
 
 def _traced_sync(job, o: VllmSyncOptions, version: int) -> str:
@@ -258,6 +348,8 @@ def _traced_sync(job, o: VllmSyncOptions, version: int) -> str:
 
     path = str(Path(o.trace).resolve())
     ray.get(job.trainer.transport_method(0, "trace_next_push").remote(path), timeout=60)
+    if o.delta:
+        _next_push_as(job, "dense")
     ray.get([e.set_load_mode.remote(o.loads[0]) for e in job.rollout.engines], timeout=60)
     if o.armed:
         job.arm_sync(version, timeout_s=job.cfg.transport.timeout_s)
@@ -361,6 +453,14 @@ def render(report: dict[str, Any]) -> None:
             table.add_row("  timeline, seconds after the announce (medians):", "", "", "")
             for k, v in m["timeline"].items():
                 table.add_row(f"    {k}: {TIMELINE[k]}", f"{v:.4f}", "", "")
+    if "delta" in report:
+        d = report["delta"]
+        table.add_row(f"delta after a step vs dense after a step (changed {100 * d['changed_fraction']:.2f} %, "
+                      f"{100 * d['wire_share']:.1f} % of the bytes on the wire)", f"{d['delta_s']:.4f}", "",
+                      f"{d['delta_speedup']:.2f}x faster")
+        if "delta_serving_speedup" in d:
+            table.add_row("  announce -> the last engine serving, delta vs dense", f"{d['delta_serving_s']:.4f}", "",
+                          f"{d['delta_serving_speedup']:.2f}x faster")
     if "peer" in report:
         p = report["peer"]
         peer = report["options"]["peer"]
@@ -393,6 +493,11 @@ def main(argv: list[str]) -> int:
                    help="skip the blocks with the engines' receives armed before the announce")
     p.add_argument("--trace", default=None, metavar="PATH",
                    help="one more sync at the end, the trainer's push written here as a Chrome trace (torch.profiler)")
+    p.add_argument("--delta", action="store_true",
+                   help="transport.delta=on: the blocks send dense, then one more block of versions made by real "
+                        "AdamW steps, sent dense and as deltas by turns")
+    p.add_argument("--delta-lr", type=float, default=VllmSyncOptions.delta_lr,
+                   help="--delta: the trainer's learning rate (default %(default)g)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the report as JSON")
     p.add_argument("overrides", nargs="*", metavar="key=value",
                    help="`disagg train` overrides (e.g. shape=qwen2.5-1.5b cluster=gpu)")

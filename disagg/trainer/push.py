@@ -79,6 +79,17 @@ class TrainerPush:
         activity) and is written to ``path`` as a Chrome trace: where its time goes, step by step."""
         self._trace_path = path
 
+    def next_push_as(self, kind: str) -> None:
+        """Benchmarks: the next push goes ``dense`` or as a ``delta`` (against the version the engines
+        hold; dense where they hold none) whatever ``transport.delta`` would choose: a delta job's
+        dense baseline, side by side with its deltas (``disagg bench vllm-sync --delta``)."""
+        if kind not in ("dense", "delta"):
+            raise ValueError(f"next_push_as: kind must be 'dense' or 'delta', got {kind!r}")
+        if self.delta_image is None:
+            raise ValueError(f"next_push_as({kind!r}) needs transport.delta=on or auto, got "
+                             f"transport.delta={self.transport_cfg.delta!r}")
+        self._next_kind = kind
+
     def push_weights(self, policy_version: int, from_snapshot: bool = False, arm_id: int = 0,
                      go_timeout_s: float | None = None, last_sync_s: float | None = None) -> dict[str, Any]:
         """``_push``, under the profiler when ``trace_next_push`` asked (its timings then carry the
@@ -140,8 +151,12 @@ class TrainerPush:
             image.invalidate()  # sent again after a failure: an engine may hold something else, so dense
 
         chooser = self.delta_chooser
-        dense = chooser is not None and not chooser.delta_next()
-        estimate = dense and chooser.estimating  # (a dense sync that times one bucket's encoding as a delta)
+        forced, self._next_kind = self._next_kind, None
+        if forced is not None:  # a benchmark's choice (next_push_as)
+            dense, estimate = forced == "dense", False
+        else:
+            dense = chooser is not None and not chooser.delta_next()
+            estimate = dense and chooser.estimating  # (a dense sync that times one bucket's encoding as a delta)
 
         def send(tensors: dict[str, torch.Tensor]):
             return send_model(self.group, self.model, m, source=self.transport_cfg.source, trainer_rank=self.rank,

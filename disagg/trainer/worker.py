@@ -72,6 +72,7 @@ class TrainerWorker(TrainerPush, TrainerPeers):
         self._hold: tuple[threading.Event, float] | None = None  # tests: the next step waits for release_step
         self._coord = None
         self._trace_path: str | None = None  # benchmarks: the next push runs under the profiler (trace_next_push)
+        self._next_kind: str | None = None  # benchmarks: the next push dense or a delta (next_push_as)
 
     # ---- setup ---------------------------------------------------------------------
     def node_ip(self) -> str:

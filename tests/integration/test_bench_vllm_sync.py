@@ -69,13 +69,13 @@ def test_bench_vllm_sync_times_a_raw_broadcast_and_each_syncs_phases(tmp_path):
     out = tmp_path / "vs.json"
     cmd = [sys.executable, "-m", "disagg", "bench", "vllm-sync", "--device", "cpu", "--repeats", "2",
            "--run-dir", str(tmp_path / "run"), "--json", str(out), "--trace", str(tmp_path / "push.trace.json"),
-           "rollout.gpu_memory_utilization=0.06"]
+           "--delta", "--delta-lr", "1e-5", "transport.dtype=bfloat16", "rollout.gpu_memory_utilization=0.06"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=540)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(out.read_text())
     assert r["backend"] == "gloo" and r["engine_workers"] == 1 and r["bytes"] > 0
-    # beside each timed sync of 3 blocks: layerwise, armed, from a snapshot
-    assert len(r["raw_all_s"]) == 6 and all(s > 0 for s in r["raw_all_s"])
+    # beside each timed sync of 3 blocks (layerwise, armed, from a snapshot), then --delta's dense and delta syncs
+    assert len(r["raw_all_s"]) == 6 + 4 and all(s > 0 for s in r["raw_all_s"])
     runs = r["syncs"]["layerwise"]
     assert len(runs) == 2 and r["resolved_loads"] == {"layerwise": "layerwise"}
     for run in runs:
@@ -117,3 +117,16 @@ def test_bench_vllm_sync_times_a_raw_broadcast_and_each_syncs_phases(tmp_path):
     snap = r["modes"]["layerwise, from a snapshot"]
     assert snap["raw_vs_sync"] == pytest.approx(r["raw_s"] / snap["seconds"])
     assert "load=layerwise, from a snapshot" in proc.stdout and "copy + cast" in proc.stdout
+    # --delta: a job with transport.delta=on; its blocks above sent every byte (the weights did not change)
+    assert all(run["wire_bytes"] == run["bytes"] == r["bytes"] and run["changed_fraction"] is None
+               for label in ("layerwise", "layerwise, armed", "layerwise, from a snapshot") for run in r["syncs"][label])
+    # then versions made by real AdamW steps, by turns dense and as a delta against the version before
+    dense, delta = r["syncs"]["layerwise, dense after a step"], r["syncs"]["layerwise, delta after a step"]
+    assert len(dense) == len(delta) == 2
+    assert all(run["wire_bytes"] == run["bytes"] and run["changed_fraction"] is None for run in dense)
+    assert all(0 < run["wire_bytes"] < run["bytes"] and 0 < run["changed_fraction"] < 1 for run in delta), delta
+    d = r["delta"]
+    assert d["delta_speedup"] == pytest.approx(d["dense_s"] / d["delta_s"])
+    assert d["wire_share"] == pytest.approx(sum(run["wire_bytes"] / run["bytes"] for run in delta) / 2)  # median of 2
+    assert d["delta_serving_speedup"] == pytest.approx(d["dense_serving_s"] / d["delta_serving_s"])
+    assert "delta after a step vs dense after a step" in proc.stdout
