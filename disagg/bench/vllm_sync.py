@@ -44,6 +44,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import statistics
 import sys
 import time
@@ -95,6 +96,7 @@ class VllmSyncOptions:
     trace: str | None = None  # a Chrome trace of one more push (armed when the bench arms), written here
     delta: bool = False  # a job with transport.delta=on: the blocks dense, then dense and delta after real steps
     delta_lr: float = 1e-6  # --delta: the trainer's AdamW learning rate (its steps make the versions)
+    nccl_socket: bool = False  # NCCL over its socket transport (no NVLink, no shared memory): two nodes' stand-in
 
 
 def resolve_options(given: dict[str, Any], gpus: int) -> VllmSyncOptions:
@@ -110,6 +112,8 @@ def resolve_options(given: dict[str, Any], gpus: int) -> VllmSyncOptions:
         raise ValueError("--loads direct needs --device cuda (CPU linear layers repack their weights)")
     if values.get("peer") is not None and values["peer"] not in PEERS:
         raise ValueError(f"--peer: unknown peer {values['peer']!r} ({', '.join(PEERS)})")
+    if values.get("nccl_socket") and device != "cuda":
+        raise ValueError("--nccl-socket needs --device cuda (it sets NCCL's transports)")
     if values.get("peer") is not None and device != "cuda":
         raise ValueError(f"--peer {values['peer']} needs --device cuda ({PEERS[values['peer']]})")
     values["loads"] = loads
@@ -184,6 +188,8 @@ def run(o: VllmSyncOptions) -> dict[str, Any]:
     report: dict[str, Any] = {"options": dataclasses.asdict(o), "date": time.strftime("%Y-%m-%d %H:%M"),
                               "machine": machine(o.device)}
     model_path = prepare_model(cfg)
+    if o.nccl_socket:  # before Ray starts: its workers, the job's trainer and engines, inherit it
+        os.environ.update(NCCL_P2P_DISABLE="1", NCCL_SHM_DISABLE="1")
     job = Job.start(cfg, run_dir, model_path)
     try:
         engines = job.rollout.engines
@@ -420,7 +426,8 @@ def render(report: dict[str, Any]) -> None:
     from rich.table import Table
 
     gb = report["bytes"] / 1e9
-    title = (f"disagg bench vllm-sync ({report['machine']}, {report['backend']}, {gb:.3f} GB, "
+    socket = " over sockets" if report["options"].get("nccl_socket") else ""
+    title = (f"disagg bench vllm-sync ({report['machine']}, {report['backend']}{socket}, {gb:.3f} GB, "
              f"{report['engine_workers']} engine worker(s)"
              + "".join(", " + o for o in report["options"]["overrides"]) + ")")
     table = Table(title=title)
@@ -498,6 +505,8 @@ def main(argv: list[str]) -> int:
                         "AdamW steps, sent dense and as deltas by turns")
     p.add_argument("--delta-lr", type=float, default=VllmSyncOptions.delta_lr,
                    help="--delta: the trainer's learning rate (default %(default)g)")
+    p.add_argument("--nccl-socket", action="store_true",
+                   help="NCCL over its socket transport (NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1): two nodes' stand-in")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the report as JSON")
     p.add_argument("overrides", nargs="*", metavar="key=value",
                    help="`disagg train` overrides (e.g. shape=qwen2.5-1.5b cluster=gpu)")

@@ -28,6 +28,9 @@ def test_options_pick_both_load_modes_and_a_gpu_preset_on_cuda_and_refuse_direct
     assert resolve_options({"device": "cuda", "peer": "vllm-nccl"}, gpus=2).peer == "vllm-nccl"
     with pytest.raises(ValueError, match="--peer vllm-nccl needs --device cuda"):
         resolve_options({"device": "cpu", "peer": "vllm-nccl"}, gpus=0)
+    assert resolve_options({"device": "cuda", "nccl_socket": True}, gpus=2).nccl_socket
+    with pytest.raises(ValueError, match="--nccl-socket needs --device cuda"):
+        resolve_options({"device": "cpu", "nccl_socket": True}, gpus=0)
 
 
 def test_summary_takes_medians_and_the_driver_share_is_what_no_engine_phase_covers():
