@@ -126,10 +126,11 @@ class RolloutConfig:
     fraction shares a GPU with the trainer, see trainer.gpus_per_worker."""
     in_flight_at_sync: Literal["auto", "keep", "resubmit"] = "auto"
     """What a weight sync does with requests in flight. 'keep': they freeze and continue on the new
-    weights with their KV cache, vLLM labelling each token with the version that sampled it (needs
-    a vLLM that labels tokens: 0.32 does, 0.26 does not). 'resubmit': this actor's requests stop and
-    continue on the new weights from their tokens so far, which the new version prefills again
-    (any vLLM). 'auto': keep where vLLM labels tokens, else resubmit."""
+    weights with their KV cache, each response cut where the engine core counted its tokens at the
+    pause (and checked against vLLM's own label of each token's version where vLLM labels them:
+    0.32 does, 0.26 does not). 'resubmit': this actor's requests stop and continue on the new
+    weights from their tokens so far, which the new version prefills again (any vLLM). 'auto':
+    keep where vLLM labels tokens, else resubmit (keep by counts alone has not run on GPUs yet)."""
     cpu_affinity: tuple[int, ...] | None = None
     """CPU cores the engines' threads are pinned to (null = the OS decides); see trainer.cpu_affinity."""
     start_timeout_s: float = 300.0

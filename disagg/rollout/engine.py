@@ -9,11 +9,12 @@ coordinator, and the engine acknowledges each version it then serves.
 
 What a sync does with requests in flight is ``rollout.in_flight_at_sync``:
 'keep' freezes them (vLLM's pause, keep mode) and they continue on the new
-weights, vLLM labelling each token with the version that sampled it; 'resubmit'
-aborts this actor's requests and continues each on the new weights from the
-tokens it had, so that each piece of a response comes from one version the actor
-knows. 'auto' keeps where vLLM labels tokens (``vllm_api``) and resubmits where it
-does not. A resubmitted piece carries its request's cache salt, so vLLM's prefix cache
+weights, each response cut where the engine core counted its tokens at the pause
+(``cut_versions``; where vLLM labels each token with the version that sampled it,
+the labels must agree); 'resubmit' aborts this actor's requests and continues each
+on the new weights from the tokens it had, so that each piece of a response comes
+from one version the actor knows. 'auto' keeps where vLLM labels tokens
+(``vllm_api``) and resubmits where it does not. A resubmitted piece carries its request's cache salt, so vLLM's prefix cache
 gives back the KV its earlier pieces computed (each full block's KV from the weights that
 fed it, as in keep mode) and the new weights prefill only the last, partial block;
 each ``Completion.pieces`` says how much KV a piece took over.
@@ -67,6 +68,21 @@ def model_tensor_specs(model_path: str) -> tuple:
     return tuple(TensorSpec(n, tuple(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in model.named_parameters())
 
 
+def cut_versions(request_id: str, start: int, cuts: list[tuple[int, int]], num_tokens: int) -> list[int]:
+    """Each of a kept response's ``num_tokens`` tokens' version: ``start`` (the version it started on)
+    until the first cut, where each cut is (its tokens when a sync paused it, the version that sync
+    loaded). Pure."""
+    versions: list[int] = []
+    version = start
+    for count, loaded in cuts:
+        if not len(versions) <= count <= num_tokens:
+            raise RolloutError(f"request {request_id}: paused at {count} tokens after {len(versions)}, "
+                               f"ended with {num_tokens} (cuts {cuts})")
+        versions += [version] * (count - len(versions))
+        version = loaded
+    return versions + [version] * (num_tokens - len(versions))
+
+
 class EngineActor(EngineSync, EnginePeers):
     """A vLLM engine behind a weights-loaded gate. Wrapped with ``ray.remote`` by the pool. Its weight
     receive is ``EngineSync``'s (``rollout/engine_sync.py``); the benchmarks' routes ``EnginePeers``'."""
@@ -96,8 +112,11 @@ class EngineActor(EngineSync, EnginePeers):
         self._submitted = asyncio.Event()
         self._submitted.set()
         self._mode = "keep"  # rollout.in_flight_at_sync as resolved for this vLLM (start())
-        self._live: set[str] = set()  # resubmit mode: this actor's request ids in vLLM
-        self._aborted_by_sync: set[str] = set()  # ... of those, the ones a sync aborted (to continue)
+        self._live: set[str] = set()  # this actor's request ids in vLLM
+        self._aborted_by_sync: set[str] = set()  # resubmit mode: of those, the ones a sync aborted (to continue)
+        # keep mode: (request id, sample) -> (its tokens when a sync paused it, the version loaded then)
+        self._cuts: dict[tuple[str, int], list[tuple[int, int]]] = {}
+        self._pause_counts: dict[str, int] | None = None  # the engine core's counts at this sync's pause
         self._engine = None
         self._manifest = None  # the last manifest received (a sync of the same layout may name it by digest)
         self._worker_layout: str | None = None  # the layout digest vLLM's worker holds the manifest of
@@ -115,7 +134,8 @@ class EngineActor(EngineSync, EnginePeers):
                            else CoordinatorClient(coordinator, timeout_s=rpc_timeout_s))
         self.stats = {"requests": 0, "dropped_prompt_too_long": 0, "tokens_generated": 0, "pauses": 0, "streams": 0,
                       "resubmits": 0, "resubmit_kv_kept_tokens": 0, "resubmit_prefill_tokens": 0,
-                      "requests_cancelled": 0, "http_requests": 0, "http_inflight": 0, "http_waiting": 0}
+                      "requests_cancelled": 0, "http_requests": 0, "http_inflight": 0, "http_waiting": 0,
+                      "counted_cuts": 0}
         self.address = ""  # the OpenAI API's base address (http://host:port), once serving
         self._http = None  # (uvicorn server, its task, its WeightsGate)
 
@@ -370,17 +390,27 @@ class EngineActor(EngineSync, EnginePeers):
                            timeout_s=self.cfg.weights_wait_timeout_s, interval_s=self.cfg.wait_log_interval_s)
 
     async def _generate_kept(self, req: GenRequest) -> list[Completion]:
-        """All samples in one vLLM request; vLLM labels each token with the version that sampled it."""
+        """All samples in one vLLM request, paused (not aborted) across syncs. Each token's version:
+        the one the request started on up to the engine core's count of its tokens at the first
+        sync's pause, then the version that sync loaded, and so on (``_cuts``); where vLLM labels
+        tokens with their versions too, the two must agree."""
         s = req.sampling
-        out, _ = await self._run(req.request_id, list(req.prompt_ids), self._params(s, s.n, s.max_tokens, s.seed),
-                                 f"first weights (request {req.request_id})")
+        try:
+            out, version = await self._run(req.request_id, list(req.prompt_ids),
+                                           self._params(s, s.n, s.max_tokens, s.seed),
+                                           f"first weights (request {req.request_id})")
+            cuts = {i: self._cuts.get((req.request_id, i), []) for i in range(s.n)}
+        finally:
+            for i in range(s.n):
+                self._cuts.pop((req.request_id, i), None)
         comps: dict[int, Completion] = {}
         for o in out.outputs:
             ids = list(o.token_ids)
-            versions = vllm_api.token_versions(req.request_id, o, len(ids))
-            if versions is None:
-                raise RolloutError(f"request {req.request_id}: vLLM {vllm_api.vllm_version()} labels no token "
-                                   "with its weight version: rollout.in_flight_at_sync must be 'resubmit'")
+            versions = cut_versions(req.request_id, version, cuts.get(o.index, []), len(ids))
+            labels = vllm_api.token_versions(req.request_id, o, len(ids))
+            if labels is not None and labels != versions:
+                raise RolloutError(f"request {req.request_id} sample {o.index}: vLLM labels its tokens {labels}, "
+                                   f"its pauses cut it into {versions}")
             comps[o.index] = Completion(ids, vllm_api.sampled_logprobs(o.logprobs, ids),
                                         str(o.finish_reason) if o.finish_reason else "", versions)
         if len(comps) != s.n:

@@ -161,6 +161,7 @@ class EngineSync:
             lap("resume_s")
             return m, recv_s, stats
         self.version = policy_version  # before resuming: every token from here on is this version's
+        self._cut_at_pause(policy_version)
         self._weights_loaded.set()
         await self._resume()
         lap("resume_s")
@@ -186,6 +187,21 @@ class EngineSync:
             await eng.engine_core.pause_scheduler_async(mode="keep", clear_cache=False)
             self._paused = True
             self.stats["pauses"] += 1
+        # Keep mode: how many tokens each frozen request holds, all sampled by the weights being
+        # replaced (vLLM completes a keep pause only with its engine core idle, every step's output
+        # sent); each response is cut there once the load went through (_cut_at_pause).
+        self._pause_counts = (await vllm_api.output_counts(eng) if self._mode == "keep" and self._paused
+                              and self._live else None)
+
+    def _cut_at_pause(self, policy_version: int) -> None:
+        """Keep mode, ``policy_version`` loaded: every response frozen for it continues on it from its
+        count at the pause."""
+        counts, self._pause_counts = self._pause_counts, None
+        for internal_id, count in (counts or {}).items():
+            sample = vllm_api.sample_of(internal_id, self._live)
+            if sample is not None:  # not the OpenAI server's
+                self._cuts.setdefault(sample, []).append((count, policy_version))
+                self.stats["counted_cuts"] += 1
 
     async def _update_failed(self, e: BaseException, policy_version: int, key: str) -> None:
         """The update call into the worker raised ``e``: a version whose checksums failed before anything

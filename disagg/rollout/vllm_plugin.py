@@ -1,14 +1,16 @@
 """vLLM general-plugin hook (entry point ``vllm.general_plugins``).
 
-vLLM calls ``register`` in every one of its processes. It only records where
-the ``disagg`` weight-transfer backend lives; the backend module is imported
-lazily when an engine is created with ``weight_transfer_config={"backend": "disagg"}``.
-"""
+vLLM calls ``register`` in every one of its processes. It records where the
+``disagg`` weight-transfer backend lives (the backend module is imported lazily
+when an engine is created with ``weight_transfer_config={"backend": "disagg"}``)
+and adds the engine core's utility that counts each request's tokens
+(``vllm_api.install_output_counts``)."""
 
 BACKEND_NAME = "disagg"
 
 
 def register() -> None:
-    from disagg.rollout.vllm_api import register_transfer_backend
+    from disagg.rollout.vllm_api import install_output_counts, register_transfer_backend
 
     register_transfer_backend(BACKEND_NAME, "disagg.rollout.vllm_transfer", "DisaggWeightTransferEngine")
+    install_output_counts()  # the engine core's count of each request's tokens, asked at keep-mode pauses

@@ -149,10 +149,17 @@ def test_after_a_sync_the_openai_endpoint_serves_the_trainer_weights(job, tok):
 
 
 def test_requests_in_flight_continue_across_syncs_with_exact_token_versions(job, tok):
-    """vLLM 0.26 labels no token with its weight version: the engine resubmits at each sync and
-    tags every token itself; each continuation takes over the KV its earlier pieces computed from
-    vLLM's prefix cache (``Completion.pieces``). Each token's behaviour log-prob must be that of the
-    version it is tagged with, over that KV, to bf16 precision.
+    """vLLM 0.26 labels no token with its weight version: with ``rollout.in_flight_at_sync=auto`` the
+    engine resubmits at each sync and tags every token itself; each continuation takes over the KV
+    its earlier pieces computed from vLLM's prefix cache (``Completion.pieces``). Each token's
+    behaviour log-prob must be that of the version it is tagged with, over that KV, to bf16
+    precision (``check_exact_token_versions``; keep mode: tests/gpu/test_keep_counts.py)."""
+    check_exact_token_versions(job, tok)
+
+
+def check_exact_token_versions(job, tok):
+    """A long request across several syncs: each token's behaviour log-prob must be that of the
+    version it is tagged with, over the KV its mode keeps, to bf16 precision.
 
     bf16 numerics and a real error look alike on one token, so each token over the tolerance is put
     to the alternatives a real error would match: the version before or after its tag (a tag off at

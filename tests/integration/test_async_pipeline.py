@@ -94,7 +94,7 @@ def test_partial_rollouts_continue_across_several_weight_updates(job, tok):
 
     prompt = [tok.bos_token_id] + tok.encode("4321=", add_special_tokens=False)
     engine = job.rollout.engines[0]
-    pauses = ray.get(engine.get_stats.remote(), timeout=60)["pauses"]
+    before = ray.get(engine.get_stats.remote(), timeout=60)
     result, states = long_request_across_syncs(job, prompt, LONG_TOKENS)
 
     assert result.prompt_ids == prompt  # the prompt is the original one, never the prefix so far
@@ -118,7 +118,12 @@ def test_partial_rollouts_continue_across_several_weight_updates(job, tok):
         assert wrong.max().item() > 1e-2
     assert result.min_version == min(result.completions[0].token_versions)
     assert result.max_version == max(max(c.token_versions) for c in result.completions)
-    assert ray.get(engine.get_stats.remote(), timeout=60)["pauses"] > pauses  # requests were frozen
+    after = ray.get(engine.get_stats.remote(), timeout=60)
+    assert after["pauses"] > before["pauses"]  # requests were frozen
+    # The engine also cut every response where the engine core counted its tokens at each pause (what
+    # tags them on a vLLM without labels, 0.26), and those cuts agreed with vLLM's labels token by
+    # token (else the request fails): the target's 2 samples at 3 pauses or more, the fillers' too.
+    assert after["counted_cuts"] - before["counted_cuts"] >= 3 * 2
 
 
 def test_an_idle_engine_loads_without_pausing_and_new_requests_wait_for_the_load(job, tok):

@@ -1,12 +1,13 @@
 """The vLLM adapter's pure parts: per-token versions from vLLM's spans (where a release labels
-tokens) and the choice of what a sync does with requests in flight."""
+tokens) or from the pauses' counts, and the choice of what a sync does with requests in flight."""
 
 from types import SimpleNamespace as NS
 
 import pytest
 
 from disagg.errors import ConfigError, RolloutError
-from disagg.rollout.vllm_api import resolve_in_flight_mode, token_versions
+from disagg.rollout.engine import cut_versions
+from disagg.rollout.vllm_api import resolve_in_flight_mode, sample_of, token_versions
 
 
 def test_token_versions_come_from_the_engine_weight_version_spans():
@@ -30,18 +31,34 @@ def test_a_vllm_without_labels_gives_no_token_versions():
 
 @pytest.mark.parametrize("requested, labels, mode", [
     ("auto", True, "keep"), ("auto", False, "resubmit"),
-    ("keep", True, "keep"), ("resubmit", True, "resubmit"), ("resubmit", False, "resubmit"),
+    ("keep", True, "keep"), ("keep", False, "keep"),  # without labels: cut at the pauses by the engine core's counts
+    ("resubmit", True, "resubmit"), ("resubmit", False, "resubmit"),
 ])
 def test_in_flight_mode(requested, labels, mode):
     assert resolve_in_flight_mode(requested, labels) == mode
 
 
-def test_keep_on_a_vllm_without_labels_is_a_config_error(monkeypatch):
-    import disagg.rollout.vllm_api as api
+def test_vllms_internal_request_ids_map_to_our_request_and_sample():
+    live = {"g3", "grp-7_1", "long"}
+    assert sample_of("g3-0a1b2c3d", live) == ("g3", 0)  # ours plus "-" and 8 random characters
+    assert sample_of("grp-7_1-deadbeef", live) == ("grp-7_1", 0)  # our id's own "-" and "_" kept
+    assert sample_of("1_long-0a1b2c3d", live) == ("long", 1)  # sample 1 of an n > 1 request
+    assert sample_of("12_g3-0a1b2c3d", live) == ("g3", 12)
+    assert sample_of("long", live) == ("long", 0)  # VLLM_DISABLE_REQUEST_ID_RANDOMIZATION
+    assert sample_of("3_long", live) == ("long", 3)
+    assert sample_of("chatcmpl-0a1b2c3d", live) is None  # the OpenAI server's
+    assert sample_of("x_long-0a1b2c3d", live) is None
 
-    monkeypatch.setattr(api, "vllm_version", lambda: "0.26.0")
-    with pytest.raises(ConfigError, match=r"rollout.in_flight_at_sync='keep'.*vLLM 0.26.0.*'resubmit'"):
-        resolve_in_flight_mode("keep", False)
+
+def test_a_kept_response_takes_each_version_from_its_count_at_each_pause():
+    assert cut_versions("r", 4, [], 3) == [4, 4, 4]
+    assert cut_versions("r", 4, [(2, 5), (2, 6), (5, 7)], 6) == [4, 4, 6, 6, 6, 7]  # one pause before a token of 5
+    assert cut_versions("r", 4, [(0, 5)], 2) == [5, 5]  # paused before its first token
+    assert cut_versions("r", 4, [(3, 5)], 3) == [4, 4, 4]  # paused after its last
+    with pytest.raises(RolloutError, match="paused at 1 tokens after 2"):
+        cut_versions("r", 4, [(2, 5), (1, 6)], 3)
+    with pytest.raises(RolloutError, match="paused at 4 tokens .* ended with 3"):
+        cut_versions("r", 4, [(4, 5)], 3)
 
 
 def test_a_tool_parser_vllm_does_not_have_is_a_config_error_naming_the_key_and_the_known_ones():
