@@ -344,7 +344,8 @@ def delta_summary(syncs: dict[str, list[dict[str, Any]]], mode: str) -> dict[str
     out["delta_speedup"] = out["dense_s"] / out["delta_s"]
     if all("worker_out" in r.get("timeline", {}) for r in dense + delta):
         serving = [med(r["timeline"]["worker_out"] for r in runs) for runs in (dense, delta)]
-        out.update(dense_serving_s=serving[0], delta_serving_s=serving[1], delta_serving_speedup=serving[0] / serving[1])
+        out.update(dense_serving_s=serving[0], delta_serving_s=serving[1],
+                   delta_serving_speedup=serving[0] / serving[1])
     return out
 
 

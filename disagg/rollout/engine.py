@@ -14,10 +14,11 @@ weights, each response cut where the engine core counted its tokens at the pause
 the labels must agree); 'resubmit' aborts this actor's requests and continues each
 on the new weights from the tokens it had, so that each piece of a response comes
 from one version the actor knows. 'auto' keeps where vLLM labels tokens
-(``vllm_api``) and resubmits where it does not. A resubmitted piece carries its request's cache salt, so vLLM's prefix cache
-gives back the KV its earlier pieces computed (each full block's KV from the weights that
-fed it, as in keep mode) and the new weights prefill only the last, partial block;
-each ``Completion.pieces`` says how much KV a piece took over.
+(``vllm_api``) and resubmits where it does not. A resubmitted piece carries its
+request's cache salt, so vLLM's prefix cache gives back the KV its earlier pieces
+computed (each full block's KV from the weights that fed it, as in keep mode) and
+the new weights prefill only the last, partial block; each ``Completion.pieces``
+says how much KV a piece took over.
 
 vLLM is reached through this module (with its parts ``engine_sync``, the weight receive,
 and ``bench_peers``, the benchmarks' routes), ``vllm_transfer``, ``openai_server`` and

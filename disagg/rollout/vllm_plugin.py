@@ -13,4 +13,10 @@ def register() -> None:
     from disagg.rollout.vllm_api import install_output_counts, register_transfer_backend
 
     register_transfer_backend(BACKEND_NAME, "disagg.rollout.vllm_transfer", "DisaggWeightTransferEngine")
-    install_output_counts()  # the engine core's count of each request's tokens, asked at keep-mode pauses
+    try:  # the engine core's count of each request's tokens, asked at keep-mode pauses
+        install_output_counts()
+    except Exception as e:  # noqa: BLE001 - never stop vLLM from starting: a keep-mode sync then names it
+        import logging
+
+        logging.getLogger("disagg.rollout").warning("disagg: no token counts in this vLLM process (%s); "
+                                                    "rollout.in_flight_at_sync=keep needs them", e)

@@ -121,8 +121,9 @@ def test_bench_vllm_sync_times_a_raw_broadcast_and_each_syncs_phases(tmp_path):
     assert snap["raw_vs_sync"] == pytest.approx(r["raw_s"] / snap["seconds"])
     assert "load=layerwise, from a snapshot" in proc.stdout and "copy + cast" in proc.stdout
     # --delta: a job with transport.delta=on; its blocks above sent every byte (the weights did not change)
+    blocks = ("layerwise", "layerwise, armed", "layerwise, from a snapshot")
     assert all(run["wire_bytes"] == run["bytes"] == r["bytes"] and run["changed_fraction"] is None
-               for label in ("layerwise", "layerwise, armed", "layerwise, from a snapshot") for run in r["syncs"][label])
+               for label in blocks for run in r["syncs"][label])
     # then versions made by real AdamW steps, by turns dense and as a delta against the version before
     dense, delta = r["syncs"]["layerwise, dense after a step"], r["syncs"]["layerwise, delta after a step"]
     assert len(dense) == len(delta) == 2
