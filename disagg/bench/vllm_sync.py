@@ -225,7 +225,7 @@ def run(o: VllmSyncOptions) -> dict[str, Any]:
                 if o.delta:  # the weights did not change: these blocks time dense syncs
                     _next_push_as(job, "dense")
                 version += 1
-                r, row = _timed_sync(job, o, raw, version, armed, from_snapshot, snapshots)
+                r, row = _timed_sync(job, raw, version, armed, from_snapshot, snapshots)
                 if i >= o.warmup:
                     raw_s.append(r)
                     syncs[label].append(row)
@@ -262,7 +262,7 @@ def run(o: VllmSyncOptions) -> dict[str, Any]:
     return report
 
 
-def _timed_sync(job, o: VllmSyncOptions, raw, version: int, armed: bool, from_snapshot: bool,
+def _timed_sync(job, raw, version: int, armed: bool, from_snapshot: bool,
                 snapshots: list) -> tuple[float, dict[str, Any]]:
     """A raw broadcast, then the sync of ``version`` (armed first, or from a snapshot the bench takes,
     neither timed): the raw seconds and the sync's row."""
@@ -315,7 +315,7 @@ def _delta_block(job, o: VllmSyncOptions, raw, version: int, raw_s: list[float],
         job.trainer.train_step(_random_samples(rng, vocab, version))
         _next_push_as(job, kind)
         version += 1
-        r, row = _timed_sync(job, o, raw, version, o.armed, False, [])
+        r, row = _timed_sync(job, raw, version, o.armed, False, [])
         if i >= 2 * o.warmup:
             raw_s.append(r)
             syncs[DELTA_LABELS[kind].format(mode=mode)].append(row)
