@@ -19,6 +19,18 @@ def test_nccl_pipelined_sync_is_bit_identical(trainers, source):
     check_bit_identical(reports, trainers, source)
 
 
+def test_nccl_sync_gathered_from_two_trainers_is_bit_identical_on_two_gpus():
+    # The two-GPU form of (2, "gather") above: only trainer 0 sends, so the receiver shares no
+    # NCCL group with trainer 1 and may sit on its GPU (NCCL wants one GPU per rank of a group).
+    # "shards" has no such form: the receiver is in every trainer's group.
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 GPUs, have {torch.cuda.device_count()}")
+    if torch.cuda.device_count() > 2:
+        pytest.skip("three GPUs or more run the three-GPU form above")
+    reports = _run(2, "gather", backend="nccl", receivers=1, first_receiver_gpu=1)
+    check_bit_identical(reports, 2, "gather")
+
+
 @pytest.mark.parametrize("trainers, source", [(1, "gather"), (2, "shards")])
 def test_nccl_snapshot_sent_beside_the_next_step_is_bit_identical(trainers, source):
     receivers = 2 if torch.cuda.device_count() >= trainers + 2 else 1

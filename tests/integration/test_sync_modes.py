@@ -212,8 +212,10 @@ def _receiver(index: int, receivers: int, num_groups: int, ports: list[int], sou
 
 
 def _run(trainers: int, source: str, corrupt: bool = False, backend: str = "gloo", receivers: int = 2,
-         overlap: bool = False, delta: bool = False) -> list[dict]:
-    """Spawn the trainers and receivers (on NCCL: one GPU each, trainers first) and collect their reports."""
+         overlap: bool = False, delta: bool = False, first_receiver_gpu: int | None = None) -> list[dict]:
+    """Spawn the trainers and receivers (on NCCL: one GPU each, trainers first; ``first_receiver_gpu``
+    puts the receivers from that GPU on instead, beside a trainer that shares no group with them)
+    and collect their reports."""
     from disagg.transport.group import pick_free_port
     from disagg.transport.sync import source_groups_needed
 
@@ -225,7 +227,8 @@ def _run(trainers: int, source: str, corrupt: bool = False, backend: str = "gloo
     fsdp_port = pick_free_port(HOST)
     procs = [ctx.Process(target=_trainer, args=(r, trainers, receivers, ports, fsdp_port, source, corrupt, backend,
                                                 out, started, overlap, delta)) for r in range(trainers)]
-    procs += [ctx.Process(target=_receiver, args=(j, receivers, num_groups, ports, source, corrupt, backend, trainers,
+    first = trainers if first_receiver_gpu is None else first_receiver_gpu
+    procs += [ctx.Process(target=_receiver, args=(j, receivers, num_groups, ports, source, corrupt, backend, first,
                                                   out, started, delta)) for j in range(receivers)]
     for p in procs:
         p.start()
