@@ -218,6 +218,8 @@ def long_tail(o: PipelineBenchOptions, run_dir: Path) -> dict[str, Any]:
             log.warning("long tail, %s: %.0f trained tokens/s", mode, out[mode]["trained_tokens_per_s"])
     finally:
         job.shutdown()
+    # what a sync did with the requests in flight (rollout.in_flight_at_sync, as the engines chose it)
+    out["in_flight_at_sync"] = job.rollout.start_info[0]["in_flight_at_sync"]
     rate = {mode: out[mode]["trained_tokens_per_s"] for mode, _, _ in tail_runs(o)}
     out["stream_vs_batch"] = rate["stream"] / rate["batch_async"]  # one staleness: the scheduler's gain
     out["async_stream_vs_sync_batch"] = rate["stream"] / rate["batch"]
@@ -226,7 +228,8 @@ def long_tail(o: PipelineBenchOptions, run_dir: Path) -> dict[str, Any]:
     return out
 
 
-ENGINE_COUNTS = ("tokens_generated", "pauses", "resubmits", "resubmit_kv_kept_tokens", "resubmit_prefill_tokens")
+ENGINE_COUNTS = ("tokens_generated", "pauses", "resubmits", "resubmit_kv_kept_tokens", "resubmit_prefill_tokens",
+                 "counted_cuts")
 
 
 def _engine_counts(job) -> dict[str, int]:
@@ -427,7 +430,8 @@ def render(report: dict[str, Any]) -> None:
     if "long_tail" in report:
         t = report["long_tail"]
         st = report["options"]["tail_staleness"]
-        table.add_row(f"long tail: trained tokens/s, stream vs batch (both at staleness {st})",
+        table.add_row(f"long tail: trained tokens/s, stream vs batch (both at staleness {st}; "
+                      f"requests in flight at a sync: {t['in_flight_at_sync']})",
                       f"{t['stream']['trained_tokens_per_s']:.0f} vs {t['batch_async']['trained_tokens_per_s']:.0f} "
                       f"(stale drops {t['stream']['dropped_stale']} vs {t['batch_async']['dropped_stale']})",
                       f"{t['stream_vs_batch']:.2f}", ">= 2")
@@ -455,6 +459,9 @@ def render(report: dict[str, Any]) -> None:
                 table.add_row(f"  {mode} resubmits at syncs (KV kept / prefilled again, tokens)",
                               f"{e['resubmits']} ({e['resubmit_kv_kept_tokens']} / {e['resubmit_prefill_tokens']})",
                               "", "")
+            if e.get("counted_cuts"):
+                table.add_row(f"  {mode} pauses at syncs (responses cut by the engine core's counts)",
+                              f"{e['pauses']} ({e['counted_cuts']} cuts)", "", "")
     if "reward_overlap" in report:
         r = report["reward_overlap"]
         stages = (f"rollout {r['rollout_stage_s']:.2f} s, reward {r['reward_stage_s']:.2f} s in total, "

