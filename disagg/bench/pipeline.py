@@ -22,6 +22,8 @@ engine) or, with one GPU visible, ``cluster=one_gpu`` (both share it). Trailing
                  ``--tail-sync-interval N`` > 1 adds ``stream_interval``: the
                  stream run with the engines taking every N-th version
                  (``algorithm.sync_interval``), and its ratio to batch.
+                 ``--tail-runs stream,batch`` makes only the runs named (a
+                 ratio needs both of its runs).
   reward overlap a reward with a set latency per sample, chosen so that the total
                  reward time of a batch (the sum over its samples) equals the
                  rollout time measured without it: the time from a step's start to
@@ -74,6 +76,7 @@ class PipelineBenchOptions:
     tail_inflight: int = 16  # rollout.max_inflight_groups of the stream scheduler
     tail_prompts: int = 8  # prompts per step there (groups of 4)
     tail_sync_interval: int = 1  # > 1: a fourth run, the stream with algorithm.sync_interval this
+    tail_runs: str = "all"  # the long-tail runs to make, comma-separated (batch, batch_async, stream, stream_interval)
     overlap_steps: int = 10  # steps per variant in the reward-overlap comparison
     overlap_max_seqs: int = 32  # engine concurrency there: a step's groups finish in waves
     overlap_prompts: int = 16  # prompts per step there (groups of 8)
@@ -221,10 +224,11 @@ def long_tail(o: PipelineBenchOptions, run_dir: Path) -> dict[str, Any]:
     # what a sync did with the requests in flight (rollout.in_flight_at_sync, as the engines chose it)
     out["in_flight_at_sync"] = job.rollout.start_info[0]["in_flight_at_sync"]
     rate = {mode: out[mode]["trained_tokens_per_s"] for mode, _, _ in tail_runs(o)}
-    out["stream_vs_batch"] = rate["stream"] / rate["batch_async"]  # one staleness: the scheduler's gain
-    out["async_stream_vs_sync_batch"] = rate["stream"] / rate["batch"]
-    if "stream_interval" in rate:
-        out["stream_interval_vs_sync_batch"] = rate["stream_interval"] / rate["batch"]
+    for name, mode, base in (("stream_vs_batch", "stream", "batch_async"),  # one staleness: the scheduler's gain
+                             ("async_stream_vs_sync_batch", "stream", "batch"),
+                             ("stream_interval_vs_sync_batch", "stream_interval", "batch")):
+        if mode in rate and base in rate:  # the runs --tail-runs left out give no ratio
+            out[name] = rate[mode] / rate[base]
     return out
 
 
@@ -245,8 +249,18 @@ TAIL_RUNS = (("batch", "batch", 0), ("batch_async", "batch", None), ("stream", "
 
 
 def tail_runs(o: PipelineBenchOptions) -> tuple:
-    """TAIL_RUNS, and the stream with a sync interval where ``--tail-sync-interval`` asks for one."""
-    return TAIL_RUNS + ((("stream_interval", "stream", None),) if o.tail_sync_interval > 1 else ())
+    """TAIL_RUNS, and the stream with a sync interval where ``--tail-sync-interval`` asks for one;
+    of those, the ones ``--tail-runs`` names (``all``: every one). Pure."""
+    runs = TAIL_RUNS + ((("stream_interval", "stream", None),) if o.tail_sync_interval > 1 else ())
+    if o.tail_runs == "all":
+        return runs
+    names = [n.strip() for n in o.tail_runs.split(",") if n.strip()]
+    known = [r[0] for r in runs]
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise ValueError(f"--tail-runs={o.tail_runs!r}: {', '.join(unknown) or 'no run'} is not one of "
+                         f"{', '.join(known)} (stream_interval needs --tail-sync-interval > 1) or 'all'")
+    return tuple(r for r in runs if r[0] in names)
 
 
 PROFILE_KEYS = ("timing/step_s", "timing/train_s", "timing/rollout_s", "timing/weight_sync_s",
@@ -404,8 +418,9 @@ def run(o: PipelineBenchOptions, only: set[str]) -> dict[str, Any]:
     try:
         if "tail" in only:
             report["long_tail"] = long_tail(o, run_dir)
-            report["stream_vs_batch"] = report["long_tail"]["stream_vs_batch"]
-            report["async_stream_vs_sync_batch"] = report["long_tail"]["async_stream_vs_sync_batch"]
+            for ratio in ("stream_vs_batch", "async_stream_vs_sync_batch"):
+                if ratio in report["long_tail"]:
+                    report[ratio] = report["long_tail"][ratio]
         if "overlap" in only:
             report["reward_overlap"] = r = reward_overlap(o, run_dir)
             report["overlap_step_vs_max_stage"] = r["overlap_step_vs_max_stage"]
@@ -430,22 +445,24 @@ def render(report: dict[str, Any]) -> None:
     if "long_tail" in report:
         t = report["long_tail"]
         st = report["options"]["tail_staleness"]
-        table.add_row(f"long tail: trained tokens/s, stream vs batch (both at staleness {st}; "
-                      f"requests in flight at a sync: {t['in_flight_at_sync']})",
-                      f"{t['stream']['trained_tokens_per_s']:.0f} vs {t['batch_async']['trained_tokens_per_s']:.0f} "
-                      f"(stale drops {t['stream']['dropped_stale']} vs {t['batch_async']['dropped_stale']})",
-                      f"{t['stream_vs_batch']:.2f}", ">= 2")
-        table.add_row(f"long tail: async + stream (staleness {st}) vs sync + batch (staleness 0)",
-                      f"{t['stream']['trained_tokens_per_s']:.0f} vs {t['batch']['trained_tokens_per_s']:.0f} "
-                      f"(stale drops {t['stream']['dropped_stale']} vs {t['batch']['dropped_stale']})",
-                      f"{t['async_stream_vs_sync_batch']:.2f}", ">= 3")
-        if "stream_interval_vs_sync_batch" in t:
-            k = report["options"]["tail_sync_interval"]
-            table.add_row(f"long tail: async + stream, engines taking every {k}th version, vs sync + batch",
-                          f"{t['stream_interval']['trained_tokens_per_s']:.0f} vs "
-                          f"{t['batch']['trained_tokens_per_s']:.0f} (stale drops "
-                          f"{t['stream_interval']['dropped_stale']} vs {t['batch']['dropped_stale']})",
-                          f"{t['stream_interval_vs_sync_batch']:.2f}", ">= 3")
+        k = report["options"]["tail_sync_interval"]
+        ratios = (("stream_vs_batch", "stream", "batch_async", ">= 2",
+                   f"long tail: trained tokens/s, stream vs batch (both at staleness {st}; "
+                   f"requests in flight at a sync: {t['in_flight_at_sync']})"),
+                  ("async_stream_vs_sync_batch", "stream", "batch", ">= 3",
+                   f"long tail: async + stream (staleness {st}) vs sync + batch (staleness 0)"),
+                  ("stream_interval_vs_sync_batch", "stream_interval", "batch", ">= 3",
+                   f"long tail: async + stream, engines taking every {k}th version, vs sync + batch"))
+        for name, mode, base, target, label in ratios:
+            if name in t:
+                a, b = t[mode], t[base]
+                measured = (f"{a['trained_tokens_per_s']:.0f} vs {b['trained_tokens_per_s']:.0f} "
+                            f"(stale drops {a['dropped_stale']} vs {b['dropped_stale']})")
+                table.add_row(label, measured, f"{t[name]:.2f}", target)
+        if not any(name in t for name, *_ in ratios):  # --tail-runs left one run of a pair out: rates alone
+            rates = ", ".join(f"{m} {v['trained_tokens_per_s']:.0f}" for m, v in t.items() if isinstance(v, dict))
+            table.add_row(f"long tail: trained tokens/s (requests in flight at a sync: {t['in_flight_at_sync']})",
+                          rates, "", "")
         for mode in t:
             m = t[mode]
             if not isinstance(m, dict):
@@ -521,6 +538,7 @@ def main(argv: list[str]) -> int:
     a["overrides"] = tuple(a.get("overrides", ()))
     try:
         opts = resolve_options(a, visible_gpus() if a.get("device", "cpu") != "cpu" else 0)
+        tail_runs(opts)  # --tail-runs checked before any engine starts
     except ValueError as e:
         p.error(str(e))
     setup_logging("bench", opts.log_level)

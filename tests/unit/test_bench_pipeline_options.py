@@ -49,3 +49,43 @@ def test_overrides_compose_the_presets_and_the_bench_settings_win():
     assert cfg.cluster.device == "cpu" and tuple(cfg.logging.backends) == ("jsonl",)
     plain = _base_config(resolve_options({"pin_pools": False}, gpus=0))
     assert plain.model.tiny.hidden_size != 896
+
+
+def test_tail_runs_picks_the_named_runs_in_their_order_and_names_an_unknown_one():
+    from disagg.bench.pipeline import tail_runs
+
+    everything = resolve_options({"device": "cuda"}, gpus=2)  # --tail-sync-interval 4 there: four runs
+    assert [r[0] for r in tail_runs(everything)] == ["batch", "batch_async", "stream", "stream_interval"]
+    some = resolve_options({"device": "cuda", "tail_runs": "stream, batch"}, gpus=2)
+    assert [r[0] for r in tail_runs(some)] == ["batch", "stream"]
+    with pytest.raises(ValueError, match="'stream_interval'.*stream_interval is not one of batch, batch_async, stream"):
+        tail_runs(resolve_options({"tail_runs": "stream_interval"}, gpus=0))  # the CPU default: no interval run
+    with pytest.raises(ValueError, match="--tail-runs=','"):
+        tail_runs(resolve_options({"tail_runs": ","}, gpus=0))
+
+
+def _tail_run(rate: float, drops: int) -> dict:
+    return {"trained_tokens_per_s": rate, "dropped_stale": drops, "step_s_median": 0.5, "train_s_median": 0.3,
+            "engines": {"pauses": 12, "counted_cuts": 40, "resubmits": 0}}
+
+
+def test_the_table_shows_a_ratio_only_where_both_its_runs_were_made(capsys, monkeypatch):
+    import dataclasses
+
+    monkeypatch.setenv("COLUMNS", "400")  # one line per row
+
+    from disagg.bench.pipeline import render
+
+    o = resolve_options({"device": "cuda", "tail_runs": "stream,batch_async"}, gpus=2)
+    report = {"options": dataclasses.asdict(o), "cpus": 2, "date": "2026-11-27", "machine": "test",
+              "long_tail": {"stream": _tail_run(9000.0, 3), "batch_async": _tail_run(4500.0, 0),
+                            "in_flight_at_sync": "keep", "stream_vs_batch": 2.0}}
+    render(report)
+    out = capsys.readouterr().out
+    assert "stream vs batch" in out and "9000 vs 4500" in out and "2.00" in out
+    assert "requests in flight at a sync: keep" in out
+    assert "sync + batch" not in out  # no batch run: no ratio to it
+    assert "12 (40 cuts)" in out  # keep mode's pauses and the responses cut at them
+    del report["long_tail"]["batch_async"], report["long_tail"]["stream_vs_batch"]
+    render(report)
+    assert "stream 9000" in capsys.readouterr().out  # one run alone: its rate
