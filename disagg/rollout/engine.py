@@ -86,7 +86,9 @@ def cut_versions(request_id: str, start: int, cuts: list[tuple[int, int]], num_t
 
 class EngineActor(EngineSync, EnginePeers):
     """A vLLM engine behind a weights-loaded gate. Wrapped with ``ray.remote`` by the pool. Its weight
-    receive is ``EngineSync``'s (``rollout/engine_sync.py``); the benchmarks' routes ``EnginePeers``'."""
+    receive is ``EngineSync``'s (``rollout/engine_sync.py``); the benchmarks' routes ``EnginePeers``'.
+    Over 400 lines on purpose: a request's life in vLLM (submitted, kept or resubmitted across syncs,
+    cut into versions) is one concern, and its methods share the request state kept here."""
 
     def __init__(self, engine_id: int, model_path: str, cfg: RolloutConfig, coordinator: Any,
                  rpc_timeout_s: float, seed: int = 0, log_level: str = "INFO",
