@@ -211,16 +211,25 @@ class EngineActor(EngineSync, EnginePeers):
             ready=self._weights_loaded.is_set, version=lambda: self.version, counters=self.stats)
         self._http = (server, task, gate)
 
+    def _servable(self) -> bool:
+        return self._weights_loaded.is_set() and self._not_loading.is_set()
+
     async def _wait_weights(self, what: str) -> None:
         """Block until real weights are loaded (the guard against serving dummy weights) and no sync
-        is loading. Callers count their request as in flight right after, with no await between."""
+        is loading. Callers count their request as in flight right after, with no await between:
+        this returns only from a check of the gate made in the caller's task. (The logged wait runs
+        in a task of its own, and a sync can start between that task's end and the caller's turn: a
+        request let through then was submitted during the sync, missed by its abort or its count,
+        and its tokens of the new weights were tagged with the old version.)"""
         async def servable() -> None:
-            while not (self._weights_loaded.is_set() and self._not_loading.is_set()):
+            while not self._servable():
                 await self._weights_loaded.wait()
                 await self._not_loading.wait()
 
-        await await_logged(servable(), what=what, timeout_s=self.cfg.weights_wait_timeout_s,
-                           log=log, interval_s=self.cfg.wait_log_interval_s)
+        deadline = time.monotonic() + self.cfg.weights_wait_timeout_s
+        while not self._servable():
+            await await_logged(servable(), what=what, timeout_s=max(0.0, deadline - time.monotonic()),
+                               log=log, interval_s=self.cfg.wait_log_interval_s)
 
     async def shutdown(self) -> None:
         if self._http is not None:
