@@ -48,7 +48,7 @@ python3 -c "import torch, vllm, ray; print('torch', torch.__version__, 'vllm', v
 
 case "$stage" in
   tests)
-    timeout "${TEST_LIMIT_S:-540}" python3 -m pytest -q -s -p no:cacheprovider tests/gpu "${@:2}" 2>&1 \
+    timeout "${TEST_LIMIT_S:-540}" python3 -m pytest -q -s -p no:cacheprovider --durations=20 tests/gpu "${@:2}" 2>&1 \
       | grep -v "nanobind\|leaked \|skipped remainder" | tee "$out/${TESTS_NAME:-gpu_tests}.log"
     exit "${PIPESTATUS[0]}" ;;
   train)
