@@ -221,14 +221,13 @@ class EngineActor(EngineSync, EnginePeers):
         in a task of its own, and a sync can start between that task's end and the caller's turn: a
         request let through then was submitted during the sync, missed by its abort or its count,
         and its tokens of the new weights were tagged with the old version.)"""
-        async def servable() -> None:
-            while not self._servable():
-                await self._weights_loaded.wait()
-                await self._not_loading.wait()
+        async def opened() -> None:
+            await self._weights_loaded.wait()
+            await self._not_loading.wait()
 
         deadline = time.monotonic() + self.cfg.weights_wait_timeout_s
-        while not self._servable():
-            await await_logged(servable(), what=what, timeout_s=max(0.0, deadline - time.monotonic()),
+        while not self._servable():  # a sync may have closed it again before this task's turn
+            await await_logged(opened(), what=what, timeout_s=max(0.0, deadline - time.monotonic()),
                                log=log, interval_s=self.cfg.wait_log_interval_s)
 
     async def shutdown(self) -> None:

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
+
+import pytest
 
 from disagg.config.schema import RolloutConfig
 from disagg.rollout.engine import EngineActor
@@ -75,9 +78,5 @@ def test_a_closed_gate_times_out_naming_what_waited(tmp_path):
     async def main() -> None:
         await actor._wait_weights("first weights (request r1)")
 
-    try:
+    with pytest.raises(TimeoutError, match=re.escape("first weights (request r1)")):
         asyncio.run(main())
-    except TimeoutError as e:
-        assert "first weights (request r1)" in str(e)
-    else:
-        raise AssertionError("a gate that never opened let the request through")
