@@ -224,9 +224,7 @@ def long_tail(o: PipelineBenchOptions, run_dir: Path) -> dict[str, Any]:
     # what a sync did with the requests in flight (rollout.in_flight_at_sync, as the engines chose it)
     out["in_flight_at_sync"] = job.rollout.start_info[0]["in_flight_at_sync"]
     rate = {mode: out[mode]["trained_tokens_per_s"] for mode, _, _ in tail_runs(o)}
-    for name, mode, base in (("stream_vs_batch", "stream", "batch_async"),  # one staleness: the scheduler's gain
-                             ("async_stream_vs_sync_batch", "stream", "batch"),
-                             ("stream_interval_vs_sync_batch", "stream_interval", "batch")):
+    for name, mode, base, _ in TAIL_RATIOS:
         if mode in rate and base in rate:  # the runs --tail-runs left out give no ratio
             out[name] = rate[mode] / rate[base]
     return out
@@ -246,6 +244,11 @@ def _engine_counts(job) -> dict[str, int]:
 
 TAIL_RUNS = (("batch", "batch", 0), ("batch_async", "batch", None), ("stream", "stream", None))
 """The long-tail runs: (name, rollout.scheduler, max_staleness; None: --tail-staleness)."""
+
+TAIL_RATIOS = (("stream_vs_batch", "stream", "batch_async", ">= 2"),  # one staleness: the scheduler's gain
+               ("async_stream_vs_sync_batch", "stream", "batch", ">= 3"),
+               ("stream_interval_vs_sync_batch", "stream_interval", "batch", ">= 3"))
+"""The long tail's ratios: (name, run, the run it is divided by, the goal)."""
 
 
 def tail_runs(o: PipelineBenchOptions) -> tuple:
@@ -446,20 +449,19 @@ def render(report: dict[str, Any]) -> None:
         t = report["long_tail"]
         st = report["options"]["tail_staleness"]
         k = report["options"]["tail_sync_interval"]
-        ratios = (("stream_vs_batch", "stream", "batch_async", ">= 2",
-                   f"long tail: trained tokens/s, stream vs batch (both at staleness {st}; "
-                   f"requests in flight at a sync: {t['in_flight_at_sync']})"),
-                  ("async_stream_vs_sync_batch", "stream", "batch", ">= 3",
-                   f"long tail: async + stream (staleness {st}) vs sync + batch (staleness 0)"),
-                  ("stream_interval_vs_sync_batch", "stream_interval", "batch", ">= 3",
-                   f"long tail: async + stream, engines taking every {k}th version, vs sync + batch"))
-        for name, mode, base, target, label in ratios:
+        labels = {"stream_vs_batch": f"long tail: trained tokens/s, stream vs batch (both at staleness {st}; "
+                                     f"requests in flight at a sync: {t['in_flight_at_sync']})",
+                  "async_stream_vs_sync_batch": f"long tail: async + stream (staleness {st}) vs sync + batch "
+                                                "(staleness 0)",
+                  "stream_interval_vs_sync_batch": f"long tail: async + stream, engines taking every {k}th "
+                                                   "version, vs sync + batch"}
+        for name, mode, base, target in TAIL_RATIOS:
             if name in t:
                 a, b = t[mode], t[base]
                 measured = (f"{a['trained_tokens_per_s']:.0f} vs {b['trained_tokens_per_s']:.0f} "
                             f"(stale drops {a['dropped_stale']} vs {b['dropped_stale']})")
-                table.add_row(label, measured, f"{t[name]:.2f}", target)
-        if not any(name in t for name, *_ in ratios):  # --tail-runs left one run of a pair out: rates alone
+                table.add_row(labels[name], measured, f"{t[name]:.2f}", target)
+        if not any(name in t for name, *_ in TAIL_RATIOS):  # --tail-runs left one run of a pair out: rates alone
             rates = ", ".join(f"{m} {v['trained_tokens_per_s']:.0f}" for m, v in t.items() if isinstance(v, dict))
             table.add_row(f"long tail: trained tokens/s (requests in flight at a sync: {t['in_flight_at_sync']})",
                           rates, "", "")
