@@ -12,7 +12,12 @@
 #                                               # detached (setsid), so the runs outlast the 10-minute call
 #   bash benchmarks/gpu_e2e.sh poll SECONDS     # wait for the queue (at most SECONDS), copy the files of
 #                                               # finished runs to $OUT; call it again at once to keep the
-#                                               # machine warm (it goes back 30 s after a call ends)
+#                                               # machine warm (it goes back 30 s after a call ends).
+#                                               # Files in $OUT are fetched inside those 30 s: three
+#                                               # machines went back after a 9-minute poll that brought
+#                                               # files (2026-11-27/28). Poll with OUT=/tmp/held (nothing
+#                                               # fetched, the log tails still printed) and fetch only
+#                                               # in the last call, or when the budget is nearly spent.
 #
 # Run from the repository root. Carry, besides the vLLM pieces (unpacked here from /tmp/vc, where
 # the two calls before put them, as device-vllm's header says): .device/bundle.tar.xz (Ray, Hydra;
