@@ -112,7 +112,8 @@ class RolloutConfig:
     top_p: float = 1.0
     """Nucleus sampling; must stay 1.0 for unbiased GRPO behaviour log-probs."""
     gpu_memory_utilization: float = 0.15
-    """vLLM KV-cache fraction; on CPU a fraction of RAM (keep it small)."""
+    """On GPUs the share of the card vLLM takes; on CPU the KV cache's share of the memory of the
+    NUMA node vLLM allocates on (``vllm_api.memory_args``; keep it small)."""
     max_num_seqs: int = 256
     """vLLM's max concurrent sequences per engine."""
     dtype: str = "float32"

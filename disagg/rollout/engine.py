@@ -155,7 +155,7 @@ class EngineActor(EngineSync, EnginePeers):
             load_format=self.cfg.load_format,
             dtype=self.cfg.dtype,
             max_model_len=self.cfg.max_model_len,
-            gpu_memory_utilization=self.cfg.gpu_memory_utilization,
+            **vllm_api.memory_args(self.cfg.gpu_memory_utilization),
             max_num_seqs=self.cfg.max_num_seqs,
             enforce_eager=self.cfg.enforce_eager,
             tensor_parallel_size=self.cfg.tensor_parallel_size,

@@ -111,6 +111,9 @@ TIMELINE = {  # a sync's events, in their usual order -> what happened (the late
     "engine_in": "the engine actor's receive started (Ray's dispatch to it)",
     "update_call": "the engine called into vLLM's worker (manifest and quiesce done)",
     "worker_in": "vLLM's worker entered the update (the engine core picked the call up)",
+    "trainer_send": "the trainer's sender entered (the push's own set-up done)",
+    "trainer_planned": "the sender planned its buckets' packing",
+    "trainer_header_copied": "the header on the trainer's device (its broadcast next)",
     "trainer_header": "the trainer posted its header (the send's set-up done)",
     "wire_start": "the sender's header matched on the worker (every party on the group)",
     "trainer_out": "the trainer's push returned (its last bucket on the wire)",
@@ -127,7 +130,7 @@ def sync_timeline(wall0: float, seconds: float, sent: list[dict], received: list
     synchronised ones); ``done`` is ``seconds``. Events no party reported are left out. Pure."""
     latest: dict[str, float] = {}
     for out in sent:
-        for key in ("trainer_in", "trainer_header", "trainer_out"):
+        for key in (k for k in TIMELINE if k.startswith("trainer_")):
             if f"{key}_unix_s" in out:
                 latest[key] = max(latest.get(key, 0.0), float(out[f"{key}_unix_s"]))
     for report in received:

@@ -37,6 +37,9 @@ And what disagg reads of vLLM's inner structure, the same in both (checked on 0.
   random characters; a sample of an n > 1 request ``{index}_`` before that), and a keep-mode pause
   that completes only once the engine core is idle, every step's output sent:
   ``install_output_counts``, ``output_counts``, ``sample_of``.
+- On CPU (0.32): ``gpu_memory_utilization`` is the whole engine process's share of a NUMA node's
+  memory, which node (``vllm.utils.cpu_resource_utils``); disagg sizes the KV cache itself
+  (``kv_cache_memory_bytes``): ``memory_args``.
 
 Only the rollout package imports this module; it imports vLLM lazily, so that
 the unit tests of the span logic run without it.
@@ -72,6 +75,35 @@ def executor_backend(tensor_parallel_size: int) -> str | None:
     from vllm.platforms import current_platform
 
     return "mp" if current_platform.is_cpu() else None
+
+
+def memory_args(fraction: float) -> dict[str, Any]:
+    """vLLM's memory settings for ``rollout.gpu_memory_utilization`` = ``fraction``. On GPUs the
+    fraction of the card vLLM may take. On CPU vLLM (0.32 checked) reads it as the share of the NUMA
+    node's memory for the whole engine process, its resident size included (~0.6 GiB with torch and
+    the model): on a machine whose node holds 9 GiB, 0.06 left less than nothing for the KV cache
+    and the engine failed to start ("requested memory for kv (-0.07/0.56 GiB)"), where a node of
+    24 GiB ran. There disagg asks for the KV cache itself, the fraction of the node's memory
+    (``kv_cache_memory_bytes``), as the config documents; with an explicit size and eager kernels
+    vLLM also skips its warm-up pass."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return {"gpu_memory_utilization": fraction}
+    return {"gpu_memory_utilization": fraction, "kv_cache_memory_bytes": int(fraction * _node_memory_bytes())}
+
+
+def _node_memory_bytes() -> int:
+    """The memory of the NUMA node vLLM's CPU worker allocates on (the first allowed CPU's, as vLLM
+    picks it; ``vllm.utils.cpu_resource_utils`` in 0.32), else the machine's."""
+    try:
+        from vllm.utils.cpu_resource_utils import get_allowed_cpu_list, get_memory_node_info
+
+        return int(get_memory_node_info(get_allowed_cpu_list()[0].numa_node).total_memory)
+    except (ImportError, AttributeError, IndexError, OSError):
+        import psutil
+
+        return int(psutil.virtual_memory().total)
 
 
 def labels_token_versions(engine) -> bool:

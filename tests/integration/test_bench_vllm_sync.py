@@ -49,13 +49,14 @@ def test_summary_takes_medians_and_the_driver_share_is_what_no_engine_phase_cove
 
 def test_a_syncs_timeline_places_each_partys_clock_readings_after_the_announce_latest_party_first():
     sent = [{"trainer_in_unix_s": 100.002, "trainer_header_unix_s": 100.0045, "trainer_out_unix_s": 100.020},
-            {"trainer_in_unix_s": 100.004, "trainer_out_unix_s": 100.018}]
+            {"trainer_in_unix_s": 100.004, "trainer_planned_unix_s": 100.0041, "trainer_out_unix_s": 100.018}]
     received = [SyncReport(0, 3, 1, 1, 1, 0.0, 0.0, stamps={"engine_in": 100.001, "wire_start": 100.006}),
                 SyncReport(1, 3, 1, 1, 1, 0.0, 0.0, stamps={"engine_in": 100.003, "wire_start": 100.005})]
     t = sync_timeline(100.0, 0.025, sent, received)
-    assert list(t) == ["trainer_in", "engine_in", "trainer_header", "wire_start", "trainer_out", "done"]  # TIMELINE's
-    assert t == pytest.approx({"trainer_in": 0.004, "engine_in": 0.003, "trainer_header": 0.0045, "wire_start": 0.006,
-                               "trainer_out": 0.020, "done": 0.025})
+    assert list(t) == ["trainer_in", "engine_in", "trainer_planned", "trainer_header", "wire_start", "trainer_out",
+                       "done"]  # TIMELINE's order
+    assert t == pytest.approx({"trainer_in": 0.004, "engine_in": 0.003, "trainer_planned": 0.0041,
+                               "trainer_header": 0.0045, "wire_start": 0.006, "trainer_out": 0.020, "done": 0.025})
     assert sync_timeline(100.0, 0.01, [{}], []) == {"done": 0.01}  # nothing stamped: only the driver's
 
 
@@ -96,7 +97,10 @@ def test_bench_vllm_sync_times_a_raw_broadcast_and_each_syncs_phases(tmp_path):
                                 "engine_out", "done")]
         assert order == sorted(order) and order[0] > 0, t
         assert t["trainer_in"] <= t["wire_start"] + 0.002 and t["wire_start"] < t["trainer_out"] <= t["done"], t
-        assert t["trainer_in"] < t["trainer_header"] < t["trainer_out"], t  # the send's set-up, then the wire
+        # the send's set-up, step by step, then the wire
+        setup = [t[k] for k in ("trainer_in", "trainer_send", "trainer_planned", "trainer_header_copied",
+                                "trainer_header", "trainer_out")]
+        assert setup == sorted(setup) and setup[0] < setup[-1], t
     for run in r["syncs"]["layerwise, armed"]:  # the engine waited on the group before the announce
         p, t = run["phases"], run["timeline"]
         assert p["armed_wait_s"] >= 0.2 and p["update_s"] < run["seconds"], p  # the wait is not in the sync
