@@ -65,15 +65,24 @@ def vllm_version() -> str:
     return str(getattr(vllm, "__version__", "unknown"))
 
 
-def executor_backend(tensor_parallel_size: int) -> str | None:
+def executor_backend(tensor_parallel_size: int) -> str | type | None:
     """vLLM's ``distributed_executor_backend`` for an engine of ``tensor_parallel_size`` workers: vLLM's
     own choice (on GPUs inside a Ray actor: its Ray executor, on the engine's placement group), but
     ``mp`` (worker processes of the engine actor) on CPU, where vLLM has no Ray executor ("current
-    platform cpu does not support ray")."""
-    if tensor_parallel_size == 1:
-        return None
+    platform cpu does not support ray").
+
+    One worker on CPU: the worker in the engine core's process (``UniProcExecutor``, as on GPUs).
+    vLLM 0.32's CPU platform turns the name ``uni`` into ``mp``, to bind the worker's OpenMP threads
+    to cores, which costs a third process and a third import of vLLM at every engine start (~6 s of
+    the ~20 s on 2 cores); the class itself is taken as given. Its threads are then not pinned."""
     from vllm.platforms import current_platform
 
+    if tensor_parallel_size == 1:
+        if not current_platform.is_cpu():
+            return None
+        from vllm.v1.executor.uniproc_executor import UniProcExecutor
+
+        return UniProcExecutor
     return "mp" if current_platform.is_cpu() else None
 
 
