@@ -186,7 +186,7 @@ class TrainerPush:
                        num_buckets=stats.num_buckets, group_bytes_sent=self.group.bytes_sent,
                        trainer_header_unix_s=stats.header_unix_s, delta_base=stats.delta_base,
                        changed_fraction=stats.changed_fraction,
-                       **{f"trainer_{k}_unix_s": v for k, v in stats.marks.items()})
+                       **{f"trainer_{k}_unix_s": v for k, v in stats.stamps.items()})
         out.update(trainer_in_unix_s=wall0, trainer_out_unix_s=time.time())
         self._timeline.append(("push", policy_version, wall0, out["trainer_out_unix_s"]))
         return out

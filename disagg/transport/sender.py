@@ -70,7 +70,7 @@ class SendStats:
     changed_fraction: float | None = None  # of the elements, against delta_base (None: dense, not compared)
     encode_s: float = 0.0  # of seconds, a delta's packing and comparing before its first byte left
     estimate: tuple[float, float] | None = None  # a dense sync's ``delta.estimate`` (send_delta(estimate=True))
-    marks: dict[str, float] = field(default_factory=dict)
+    stamps: dict[str, float] = field(default_factory=dict)
     """Unix clock readings of the set-up before the header (``sync_timeline``'s ``trainer_*`` events):
     ``send`` (the sender entered), ``planned`` (its buckets' packing planned), ``header_copied`` (the
     header on the device, its broadcast next)."""
@@ -296,11 +296,11 @@ class WeightSender:
         """
         if (named_tensors is None) == (fill is None):
             raise ValueError("WeightSender.send needs exactly one of named_tensors and fill")
-        t0, marks = time.perf_counter(), {"send": time.time()}
+        t0, stamps = time.perf_counter(), {"send": time.time()}
         pack = self._packer(manifest, named_tensors, fill)
-        marks["planned"] = time.time()
+        stamps["planned"] = time.time()
         header = ints_on(header_for(manifest), self.group.device)
-        marks["header_copied"] = time.time()
+        stamps["header_copied"] = time.time()
         # Not waited for here: the buckets queue behind it on the wire (ops complete in order).
         finished: list = [self.group.broadcast_async(header, self.src, count_bytes=False)]
         header_unix_s = time.time()
@@ -331,7 +331,7 @@ class WeightSender:
         seconds = time.perf_counter() - t0
         total = sum(p.nbytes for p in manifest.buckets)
         stats = SendStats(bytes=total, seconds=seconds, num_buckets=len(manifest.buckets),
-                          header_unix_s=header_unix_s, dense_bytes=total, marks=marks)
+                          header_unix_s=header_unix_s, dense_bytes=total, stamps=stamps)
         log.debug("[transport:%s:%d] sent policy_version=%d: %d buckets, %.1f MiB in %.3f s",
                   self.group.name, self.group.rank, manifest.policy_version, stats.num_buckets,
                   stats.bytes / 2**20, seconds)
@@ -355,13 +355,13 @@ class WeightSender:
         ``seconds``), for ``transport.delta=auto``. Sources and errors as in ``send``."""
         if (named_tensors is None) == (fill is None):
             raise ValueError("WeightSender.send_delta needs exactly one of named_tensors and fill")
-        t0, marks = time.perf_counter(), {"send": time.time()}
+        t0, stamps = time.perf_counter(), {"send": time.time()}
         group, src = self.group, self.src
         bufs = image.buckets(manifest)  # a new layout holds no version
         held = image.version
         base, image.version = None if dense else held, None
         pack = self._packer(manifest, named_tensors, fill)
-        marks["planned"] = time.time()  # (a delta's comparing comes after: encode_s)
+        stamps["planned"] = time.time()  # (a delta's comparing comes after: encode_s)
         guess, guess_s = None, 0.0
         if base is None:
             deltas = [BucketDelta(Form.DENSE, p.numel, p.numel, None) for p in manifest.buckets]
@@ -387,7 +387,7 @@ class WeightSender:
         table = [x for d in deltas for x in (int(d.form), d.changed)]
         # every tensor on the wire, alive until its op is done
         kept = [ints_on([*header_for(manifest), base or 0], group.device), ints_on(table, group.device)]
-        marks["header_copied"] = time.time()
+        stamps["header_copied"] = time.time()
         ops = [group.broadcast_async(t, src, count_bytes=False) for t in kept]
         header_unix_s = time.time()
         for i, (d, buf) in enumerate(zip(deltas, bufs)):
@@ -419,7 +419,7 @@ class WeightSender:
         stats = SendStats(bytes=wire, seconds=time.perf_counter() - t0 - guess_s, num_buckets=len(manifest.buckets),
                           header_unix_s=header_unix_s, dense_bytes=total, delta_base=base or 0,
                           changed_fraction=None if base is None else changed, encode_s=encode_s if base else 0.0,
-                          estimate=guess, marks=marks)
+                          estimate=guess, stamps=stamps)
         log.debug("[transport:%s:%d] sent policy_version=%d against %s: %.2f of %.1f MiB in %.3f s",
                   group.name, group.rank, manifest.policy_version, base or "nothing (dense)", wire / 2**20,
                   total / 2**20, stats.seconds)
