@@ -23,7 +23,12 @@ engine) or, with one GPU visible, ``cluster=one_gpu`` (both share it). Trailing
                  stream run with the engines taking every N-th version
                  (``algorithm.sync_interval``), and its ratio to batch.
                  ``--tail-runs stream,batch`` makes only the runs named (a
-                 ratio needs both of its runs).
+                 ratio needs both of its runs); there ``stream_keep`` and
+                 ``stream_resubmit`` are the stream run with the engines keeping
+                 or resubmitting the requests in flight at a sync
+                 (``rollout.in_flight_at_sync``, switched between runs), and a
+                 keep run beside a resubmit run gives keep vs resubmit: what
+                 ``auto`` should pick on that vLLM.
   reward overlap a reward with a set latency per sample, chosen so that the total
                  reward time of a batch (the sum over its samples) equals the
                  rollout time measured without it: the time from a step's start to
@@ -76,7 +81,8 @@ class PipelineBenchOptions:
     tail_inflight: int = 16  # rollout.max_inflight_groups of the stream scheduler
     tail_prompts: int = 8  # prompts per step there (groups of 4)
     tail_sync_interval: int = 1  # > 1: a fourth run, the stream with algorithm.sync_interval this
-    tail_runs: str = "all"  # the long-tail runs to make, comma-separated (batch, batch_async, stream, stream_interval)
+    tail_runs: str = "all"  # the long-tail runs to make, comma-separated (batch, batch_async, stream,
+    # stream_interval, stream_keep, stream_resubmit)
     overlap_steps: int = 10  # steps per variant in the reward-overlap comparison
     overlap_max_seqs: int = 32  # engine concurrency there: a step's groups finish in waves
     overlap_prompts: int = 16  # prompts per step there (groups of 8)
@@ -198,8 +204,10 @@ def long_tail(o: PipelineBenchOptions, run_dir: Path) -> dict[str, Any]:
             _run(_replace(_replace(cfg, "rollout", scheduler="batch"), "algorithm", max_staleness=0), job, tok,
                  o.tail_warmup_steps, version, sampling_for=lengths_from(random.Random(1)))
             version += o.tail_warmup_steps
-        for mode, scheduler, staleness in tail_runs(o):
+        started = job.rollout.start_info[0]["in_flight_at_sync"]  # as the engines chose it
+        for mode, scheduler, staleness, in_flight in tail_runs(o):
             lengths = lengths_from(random.Random(0))  # the same length sequence for every run
+            in_flight = _set_in_flight(job, in_flight or started)
             limit = o.tail_staleness if staleness is None else staleness
             mcfg = _replace(_replace(cfg, "rollout", scheduler=scheduler), "algorithm", max_staleness=limit,
                             sync_interval=min(o.tail_sync_interval, limit) if mode == "stream_interval" else 1)
@@ -208,7 +216,7 @@ def long_tail(o: PipelineBenchOptions, run_dir: Path) -> dict[str, Any]:
             p, wall = _run(mcfg, job, tok, o.tail_steps, version, sampling_for=lengths)
             engines = {k: v - before[k] for k, v in _engine_counts(job).items()}
             version += o.tail_steps
-            out[mode] = {"trained_tokens": p.trained_tokens, "seconds": wall,
+            out[mode] = {"trained_tokens": p.trained_tokens, "seconds": wall, "in_flight_at_sync": in_flight,
                          "trained_tokens_per_s": p.trained_tokens / wall,
                          "dropped_stale": p.records[-1]["samples/dropped_stale"],
                          "staleness_max": max(r["policy/staleness_max"] for r in p.records),
@@ -223,11 +231,35 @@ def long_tail(o: PipelineBenchOptions, run_dir: Path) -> dict[str, Any]:
         job.shutdown()
     # what a sync did with the requests in flight (rollout.in_flight_at_sync, as the engines chose it)
     out["in_flight_at_sync"] = job.rollout.start_info[0]["in_flight_at_sync"]
-    rate = {mode: out[mode]["trained_tokens_per_s"] for mode, _, _ in tail_runs(o)}
+    rate = {mode: out[mode]["trained_tokens_per_s"] for mode, *_ in tail_runs(o)}
     for name, mode, base, _ in TAIL_RATIOS:
         if mode in rate and base in rate:  # the runs --tail-runs left out give no ratio
             out[name] = rate[mode] / rate[base]
+    pair = keep_and_resubmit(out)
+    if pair:  # the stream under each in-flight mode, on the same engines: what `auto` should pick
+        out["keep_vs_resubmit"] = rate[pair[0]] / rate[pair[1]]
     return out
+
+
+def _set_in_flight(job, mode: str) -> str:
+    """Every engine's ``rollout.in_flight_at_sync`` for the next run (between runs only); the mode
+    they resolved it to."""
+    import ray
+
+    got = set(ray.get([e.set_in_flight_mode.remote(mode) for e in job.rollout.engines], timeout=120))
+    if len(got) != 1:
+        raise RuntimeError(f"engines resolved rollout.in_flight_at_sync={mode!r} differently: {sorted(got)}")
+    return got.pop()
+
+
+def keep_and_resubmit(tail: dict[str, Any]) -> tuple[str, str] | None:
+    """Of the long tail's stream runs (every version synced), one whose engines kept the requests in
+    flight at a sync and one whose engines resubmitted them: (keep run, resubmit run), or None. Pure."""
+    by_mode = {}
+    for name in ("stream", "stream_keep", "stream_resubmit"):
+        if isinstance(tail.get(name), dict):
+            by_mode.setdefault(tail[name]["in_flight_at_sync"], name)
+    return (by_mode["keep"], by_mode["resubmit"]) if {"keep", "resubmit"} <= by_mode.keys() else None
 
 
 ENGINE_COUNTS = ("tokens_generated", "pauses", "resubmits", "resubmit_kv_kept_tokens", "resubmit_prefill_tokens",
@@ -242,8 +274,13 @@ def _engine_counts(job) -> dict[str, int]:
     return {k: sum(int(s.get(k, 0)) for s in stats) for k in ENGINE_COUNTS}
 
 
-TAIL_RUNS = (("batch", "batch", 0), ("batch_async", "batch", None), ("stream", "stream", None))
-"""The long-tail runs: (name, rollout.scheduler, max_staleness; None: --tail-staleness)."""
+TAIL_RUNS = (("batch", "batch", 0, None), ("batch_async", "batch", None, None), ("stream", "stream", None, None))
+"""The long-tail runs: (name, rollout.scheduler, max_staleness, rollout.in_flight_at_sync); None:
+--tail-staleness, the mode the engines started with."""
+
+IN_FLIGHT_RUNS = (("stream_keep", "stream", None, "keep"), ("stream_resubmit", "stream", None, "resubmit"))
+"""The stream under one in-flight mode, made only when --tail-runs names them: beside ``stream`` (the
+engines' own mode) they give ``keep_vs_resubmit`` in one run, on one machine."""
 
 TAIL_RATIOS = (("stream_vs_batch", "stream", "batch_async", ">= 2"),  # one staleness: the scheduler's gain
                ("async_stream_vs_sync_batch", "stream", "batch", ">= 3"),
@@ -254,9 +291,10 @@ TAIL_RATIOS = (("stream_vs_batch", "stream", "batch_async", ">= 2"),  # one stal
 def tail_runs(o: PipelineBenchOptions) -> tuple:
     """TAIL_RUNS, and the stream with a sync interval where ``--tail-sync-interval`` asks for one;
     of those, the ones ``--tail-runs`` names (``all``: every one). Pure."""
-    runs = TAIL_RUNS + ((("stream_interval", "stream", None),) if o.tail_sync_interval > 1 else ())
+    runs = TAIL_RUNS + ((("stream_interval", "stream", None, None),) if o.tail_sync_interval > 1 else ())
     if o.tail_runs == "all":
         return runs
+    runs += IN_FLIGHT_RUNS
     names = [n.strip() for n in o.tail_runs.split(",") if n.strip()]
     known = [r[0] for r in runs]
     unknown = [n for n in names if n not in known]
@@ -461,6 +499,13 @@ def render(report: dict[str, Any]) -> None:
                 measured = (f"{a['trained_tokens_per_s']:.0f} vs {b['trained_tokens_per_s']:.0f} "
                             f"(stale drops {a['dropped_stale']} vs {b['dropped_stale']})")
                 table.add_row(labels[name], measured, f"{t[name]:.2f}", target)
+        if "keep_vs_resubmit" in t:
+            keep, res = keep_and_resubmit(t)
+            table.add_row("long tail: trained tokens/s, stream with the requests in flight at a sync kept vs "
+                          f"resubmitted ({keep} vs {res}; above 1: `auto` should keep)",
+                          f"{t[keep]['trained_tokens_per_s']:.0f} vs {t[res]['trained_tokens_per_s']:.0f} "
+                          f"(stale drops {t[keep]['dropped_stale']} vs {t[res]['dropped_stale']})",
+                          f"{t['keep_vs_resubmit']:.2f}", "")
         if not any(name in t for name, *_ in TAIL_RATIOS):  # --tail-runs left one run of a pair out: rates alone
             rates = ", ".join(f"{m} {v['trained_tokens_per_s']:.0f}" for m, v in t.items() if isinstance(v, dict))
             table.add_row(f"long tail: trained tokens/s (requests in flight at a sync: {t['in_flight_at_sync']})",

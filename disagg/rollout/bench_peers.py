@@ -1,11 +1,13 @@
 """The engine actor's side of the benchmarks' other routes into vLLM: a raw broadcast over its
 transport group, the load mode, parameter checksums, vLLM's own NCCL weight-transfer engine and
-checkpoint-engine (``disagg bench vllm-sync``, the GPU tests). A part of ``EngineActor``; never on a
+checkpoint-engine (``disagg bench vllm-sync``, the GPU tests), what a sync does with requests in
+flight (``disagg bench pipeline``'s keep / resubmit runs). A part of ``EngineActor``; never on a
 training run's path."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 
@@ -15,6 +17,24 @@ class EnginePeers:
     async def set_load_mode(self, mode: str) -> str:
         """``disagg bench vllm-sync``: load the next versions with ``mode`` (``transport.load``)."""
         return (await self._engine.collective_rpc("disagg_set_load_mode", args=(mode,)))[0]
+
+    async def set_in_flight_mode(self, requested: str, timeout_s: float = 60.0) -> str:
+        """``disagg bench pipeline``'s keep / resubmit runs: what a sync does with requests in flight from
+        now on (``rollout.in_flight_at_sync``, resolved for this vLLM as at start). Only between runs:
+        waits up to ``timeout_s`` for this actor's requests to finish (a run's leftovers being
+        cancelled), then refuses. Returns the mode now in force."""
+        from disagg.rollout import vllm_api
+
+        if requested not in ("auto", "keep", "resubmit"):
+            raise ValueError(f"rollout.in_flight_at_sync must be auto, keep or resubmit, got {requested!r}")
+        deadline = time.monotonic() + timeout_s
+        while self._active or self._live or self._paused:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"engine {self.engine_id}: in-flight mode not changed to {requested!r}: "
+                                   f"{self._active} requests still in flight after {timeout_s:.0f}s")
+            await asyncio.sleep(0.05)
+        self._mode = vllm_api.resolve_in_flight_mode(requested, vllm_api.labels_token_versions(self._engine))
+        return self._mode
 
     async def param_checksums(self) -> dict[str, list[int]]:
         """Worker 0's bit checksum of each vLLM parameter (``disagg_param_checksums``)."""

