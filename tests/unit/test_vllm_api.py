@@ -72,3 +72,44 @@ def test_a_tool_parser_vllm_does_not_have_is_a_config_error_naming_the_key_and_t
         with pytest.raises(ConfigError, match=r"rollout.tool_call_parser='nonsense': vLLM has no such tool parser; "
                                               r"known: \[.*'hermes'"):
             check()
+
+
+
+QUICK_EXIT = r"""
+import atexit, os, sys
+from pathlib import Path
+from vllm.v1.engine import core
+from disagg.rollout.vllm_api import install_quick_exit
+install_quick_exit()
+install_quick_exit()  # once only: vLLM calls the plugin in every process, maybe more than once
+for case, (state, code) in enumerate([("SHUTTING_DOWN", 0), ("SHUTTING_DOWN", 3), ("RUNNING", 0)]):
+    pid = os.fork()  # one engine-core process per case, vLLM imported once
+    if pid:
+        print(case, os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), Path(sys.argv[1], str(case)).exists())
+        continue
+    marker = Path(sys.argv[1], str(case))
+    atexit.register(marker.write_text, "interpreter teardown ran")  # registered before the quick exit: runs after
+    engine = object.__new__(core.EngineCoreProc)  # what run_engine_core's `finally` shuts down
+    engine.structured_output_manager = type("S", (), {"clear_backend": lambda self: None})()
+    engine.model_executor = engine.scheduler = None
+    engine.shutdown_state = core.EngineShutdownState[state]
+    engine.has_work = lambda: False
+    try:
+        raise SystemExit(code)
+    finally:
+        engine.shutdown()
+"""
+
+
+def test_a_cleanly_shut_down_cpu_engine_core_skips_the_interpreter_teardown_and_nothing_else_does(tmp_path):
+    # vLLM's engine core asked to stop (SHUTTING_DOWN) leaving on SystemExit(0) exits at once, with 0;
+    # an error's exit code, or an exit vLLM did not ask for, goes the normal way (every exit handler)
+    pytest.importorskip("vllm")
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", QUICK_EXIT, str(tmp_path)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    # case, exit code, whether the exit handlers registered before the engine's shutdown ran
+    assert proc.stdout.split("\n")[:3] == ["0 0 False", "1 3 True", "2 0 True"], proc.stdout + proc.stderr[-2000:]
