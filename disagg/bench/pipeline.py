@@ -218,6 +218,9 @@ def long_tail(o: PipelineBenchOptions, run_dir: Path) -> dict[str, Any]:
             version += o.tail_steps
             out[mode] = {"trained_tokens": p.trained_tokens, "seconds": wall, "in_flight_at_sync": in_flight,
                          "trained_tokens_per_s": p.trained_tokens / wall,
+                         # what the engines made over the whole run (the step medians' rate is the
+                         # rate while a step waited, none where the stream never waits)
+                         "engine_tokens_per_s": engines["tokens_generated"] / wall,
                          "dropped_stale": p.records[-1]["samples/dropped_stale"],
                          "staleness_max": max(r["policy/staleness_max"] for r in p.records),
                          "step_s_median": statistics.median(r["timing/step_s"] for r in p.records),
@@ -515,9 +518,13 @@ def render(report: dict[str, Any]) -> None:
             if not isinstance(m, dict):
                 continue
             if "train_s_median" in m:
-                table.add_row(f"  {mode} step median (train / waiting for a batch / engines' tokens/s)",
+                table.add_row(f"  {mode} step median (train / waiting for a batch / engines' tokens/s then)",
                               f"{m['step_s_median']:.2f} s ({m['train_s_median']:.2f} / "
                               f"{m.get('rollout_s_median', 0.0):.2f} / {m.get('tokens_per_s_median', 0.0):.0f})", "", "")
+            if "engine_tokens_per_s" in m:
+                table.add_row(f"  {mode}: tokens the engines made per second of the run",
+                              f"{m['engine_tokens_per_s']:.0f} ({m['engines']['tokens_generated']} in "
+                              f"{m['seconds']:.1f} s)", "", "")
             e = m.get("engines") or {}
             if e.get("resubmits"):
                 table.add_row(f"  {mode} resubmits at syncs (KV kept / prefilled again, tokens)",

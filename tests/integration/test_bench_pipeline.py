@@ -55,6 +55,7 @@ def test_bench_pipeline_reports_measured_ratios(tmp_path):
         # labels tokens, so syncs pause requests in flight rather than resubmit them)
         engines = tail[mode]["engines"]
         assert engines["tokens_generated"] >= tail[mode]["trained_tokens"]
+        assert tail[mode]["engine_tokens_per_s"] == pytest.approx(engines["tokens_generated"] / tail[mode]["seconds"])
         if mode == "stream_resubmit":  # the same engines switched: requests in flight at a sync resubmitted
             assert tail[mode]["in_flight_at_sync"] == "resubmit"
             assert engines["resubmits"] > 0 and engines["counted_cuts"] == 0

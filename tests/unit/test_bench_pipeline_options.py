@@ -118,4 +118,11 @@ def test_keep_and_resubmit_pairs_stream_runs_by_the_mode_their_engines_used(caps
     render({"options": dataclasses.asdict(named), "cpus": 2, "date": "2026-11-28", "machine": "test",
             "long_tail": tail})
     out = capsys.readouterr().out
+    assert "stream: tokens the engines made" not in out  # a report from before the figure: no row
+    tail["stream"].update(engine_tokens_per_s=5500.0, seconds=20.0)
+    tail["stream"]["engines"]["tokens_generated"] = 110000
+    render({"options": dataclasses.asdict(named), "cpus": 2, "date": "2026-11-28", "machine": "test",
+            "long_tail": tail})
+    row = next(x for x in capsys.readouterr().out.splitlines() if "tokens the engines made" in x)
+    assert "stream:" in row and "5500 (110000 in 20.0 s)" in row
     assert "kept vs resubmitted (stream_keep vs stream;" in out and "7500 vs 6000" in out and "1.25" in out
