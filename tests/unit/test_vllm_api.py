@@ -113,3 +113,24 @@ def test_a_cleanly_shut_down_cpu_engine_core_skips_the_interpreter_teardown_and_
     assert proc.returncode == 0, proc.stderr[-2000:]
     # case, exit code, whether the exit handlers registered before the engine's shutdown ran
     assert proc.stdout.split("\n")[:3] == ["0 0 False", "1 3 True", "2 0 True"], proc.stdout + proc.stderr[-2000:]
+
+
+def test_on_cpu_the_engine_core_is_forked_and_the_start_method_is_read_from_its_process(monkeypatch):
+    pytest.importorskip("vllm")
+    import multiprocessing
+
+    from vllm.v1.engine import utils as engine_utils
+
+    from disagg.rollout.vllm_api import engine_core_start, fork_engine_core
+
+    monkeypatch.setattr(engine_utils, "get_mp_context", engine_utils.get_mp_context)  # restored after
+    fork_engine_core()
+    fork_engine_core()  # once only
+    assert engine_utils.get_mp_context().get_start_method() == "fork"
+    proc = engine_utils.get_mp_context().Process(target=print)  # what CoreEngineProcManager builds
+    engine = NS(engine_core=NS(resources=NS(engine_manager=NS(processes=[proc]))))
+    assert engine_core_start(engine) == "fork"
+    spawned = NS(engine_core=NS(resources=NS(engine_manager=NS(processes=[
+        multiprocessing.get_context("spawn").Process(target=print)]))))
+    assert engine_core_start(spawned) == "spawn"
+    assert engine_core_start(NS(engine_core=NS(resources=NS(engine_manager=None)))) == ""
