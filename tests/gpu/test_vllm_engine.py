@@ -29,6 +29,8 @@ PROMPTS = ["1234=", "9876=", "5555=", "0192=", "31=", "70707="]
 # rounding of its whole logit row), so long replays get twice the tolerance.
 BF16_LOGPROB_TOL = 0.05
 LONG_LOGPROB_TOL = 0.1
+NOISE_MARGIN = 4  # a token past LONG_LOGPROB_TOL is noise only if every alternative is this many times further
+NOISY_TOKENS_PER = 500  # and such tokens are at most one in this many
 LONG_TOKENS = 1500  # long enough that the trainer makes several versions while it generates
 
 
@@ -232,7 +234,28 @@ def check_exact_token_versions(job, tok):
         print(f"{mode}: runs where the KV rules differ (first token, end, mean error, the other rule's): {judged}")
         better = [run for run in judged if run[2] >= run[3]]
         assert not better, f"the other KV rule explains these runs better than their tag: {better}"
-        assert bool((err < LONG_LOGPROB_TOL + rounding).all()), [r for r in table if r[2] >= LONG_LOGPROB_TOL + r[4]]
+        # A token past the long tolerance is bf16 noise only on evidence: alone (its neighbours inside
+        # the tolerance), rare, and each neighbouring version that differs from its tag there (a tag one
+        # off; the last version has none after it, the first none before) at least NOISE_MARGIN times
+        # further from the engine than its tag. The KV rule is judged by runs, above. One H200, resubmit:
+        # token 137 (version 4, log-prob -3.07) off by 0.136, the versions before and after 0.86 and 1.06,
+        # its run's mean error 0.004; token 1081 (version 7, the last) 0.157, the version before 1.60
+        # (2026-11-29); 2 x H100: 0.174 at token 419 (2026-11-25).
+        def beside(t):  # the neighbouring versions' errors at token t, where they differ from its tag
+            return {k: round(float(alternatives[k][t]), 3) for k, v in (("version before", before),
+                                                                        ("version after", after))
+                    if v[t] != c.token_versions[t]}
+
+        def alone(t):
+            return all(err[n] < LONG_LOGPROB_TOL + rounding[n] for n in (t - 1, t + 1) if 0 <= n < len(err))
+
+        far = [t for t in range(len(err)) if err[t] >= LONG_LOGPROB_TOL + rounding[t]]
+        unexplained = [(t, c.token_versions[t], round(float(err[t]), 3), beside(t)) for t in far
+                       if not (alone(t) and all(e >= NOISE_MARGIN * float(err[t]) for e in beside(t).values()))]
+        print(f"{mode}: tokens past {LONG_LOGPROB_TOL} + their rounding, each alone and far from the versions "
+              f"beside its tag (bf16 noise): {[t for t in far if t not in [r[0] for r in unexplained]]}")
+        assert not unexplained, f"past the tolerance, not noise (beside another, or a version near): {unexplained}"
+        assert len(far) <= max(1, len(err) // NOISY_TOKENS_PER), f"{len(far)} of {len(err)} tokens past the tolerance"
         # On average: a quarter of what the logits' rounding alone can move a token (each token's own
         # worst case, averaged), at most a quarter of the tolerance; 2 x H200 with CUDA graphs gave a
         # mean of 0.0066 where a flat 0.005 stood. The alternatives' means are printed beside it.
