@@ -191,8 +191,8 @@ class EngineActor(EngineSync, EnginePeers):
                                                    model_tensor_specs(self.model_path)))
             self._registered = True
         freeze_heap(f"engine {self.engine_id}")
-        log.info("engine started in %.1fs (vLLM %s, load_format=%s, in-flight requests at a sync: %s, engine core %s)",
-                 start_s, vllm_api.vllm_version(), self.cfg.load_format, self._mode,
+        log.info("engine started in %.1fs (vLLM %s, load_format=%s, in-flight requests at a sync: %s, "
+                 "engine core %s)", start_s, vllm_api.vllm_version(), self.cfg.load_format, self._mode,
                  vllm_api.engine_core_start(self._engine) or "elsewhere")
         return {"engine_id": self.engine_id, "start_s": start_s, "node_ip": node, "pid": os.getpid(),
                 "address": self.address, "node_id": ray.get_runtime_context().get_node_id(),

@@ -29,7 +29,7 @@ PROMPTS = ["1234=", "9876=", "5555=", "0192=", "31=", "70707="]
 # rounding of its whole logit row), so long replays get twice the tolerance.
 BF16_LOGPROB_TOL = 0.05
 LONG_LOGPROB_TOL = 0.1
-NOISE_MARGIN = 4  # a token past LONG_LOGPROB_TOL is noise only if every alternative is this many times further
+NOISE_MARGIN = 4  # a token past LONG_LOGPROB_TOL is noise only with the versions beside its tag this much further
 NOISY_TOKENS_PER = 500  # and such tokens are at most one in this many
 LONG_TOKENS = 1500  # long enough that the trainer makes several versions while it generates
 

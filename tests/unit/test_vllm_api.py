@@ -125,7 +125,9 @@ def test_on_cpu_the_engine_core_is_forked_and_the_start_method_is_read_from_its_
 
     monkeypatch.setattr(engine_utils, "get_mp_context", engine_utils.get_mp_context)  # restored after
     fork_engine_core()
-    fork_engine_core()  # once only
+    patched = engine_utils.get_mp_context
+    fork_engine_core()  # once only: vLLM's function is replaced, the replacement is kept
+    assert engine_utils.get_mp_context is patched
     assert engine_utils.get_mp_context().get_start_method() == "fork"
     proc = engine_utils.get_mp_context().Process(target=print)  # what CoreEngineProcManager builds
     engine = NS(engine_core=NS(resources=NS(engine_manager=NS(processes=[proc]))))
