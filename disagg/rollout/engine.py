@@ -191,14 +191,15 @@ class EngineActor(EngineSync, EnginePeers):
                                                    model_tensor_specs(self.model_path)))
             self._registered = True
         freeze_heap(f"engine {self.engine_id}")
+        core_start = vllm_api.engine_core_start(self._engine)
         log.info("engine started in %.1fs (vLLM %s, load_format=%s, in-flight requests at a sync: %s, "
                  "engine core %s)", start_s, vllm_api.vllm_version(), self.cfg.load_format, self._mode,
-                 vllm_api.engine_core_start(self._engine) or "elsewhere")
+                 core_start or "elsewhere")
         return {"engine_id": self.engine_id, "start_s": start_s, "node_ip": node, "pid": os.getpid(),
                 "address": self.address, "node_id": ray.get_runtime_context().get_node_id(),
                 "vllm_version": vllm_api.vllm_version(), "in_flight_at_sync": self._mode,
                 "kv_block_size": vllm_api.kv_block_size(self._engine),
-                "engine_core_start": vllm_api.engine_core_start(self._engine)}
+                "engine_core_start": core_start}
 
     async def _start_http(self, node_ip: str) -> None:
         """Serve vLLM's OpenAI API from this actor, behind the weights-loaded gate."""

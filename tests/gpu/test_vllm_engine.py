@@ -250,10 +250,10 @@ def check_exact_token_versions(job, tok):
             return all(err[n] < LONG_LOGPROB_TOL + rounding[n] for n in (t - 1, t + 1) if 0 <= n < len(err))
 
         far = [t for t in range(len(err)) if err[t] >= LONG_LOGPROB_TOL + rounding[t]]
-        unexplained = [(t, c.token_versions[t], round(float(err[t]), 3), beside(t)) for t in far
-                       if not (alone(t) and all(e >= NOISE_MARGIN * float(err[t]) for e in beside(t).values()))]
+        noise = [t for t in far if alone(t) and all(e >= NOISE_MARGIN * float(err[t]) for e in beside(t).values())]
+        unexplained = [(t, c.token_versions[t], round(float(err[t]), 3), beside(t)) for t in far if t not in noise]
         print(f"{mode}: tokens past {LONG_LOGPROB_TOL} + their rounding, each alone and far from the versions "
-              f"beside its tag (bf16 noise): {[t for t in far if t not in [r[0] for r in unexplained]]}")
+              f"beside its tag (bf16 noise): {noise}")
         assert not unexplained, f"past the tolerance, not noise (beside another, or a version near): {unexplained}"
         assert len(far) <= max(1, len(err) // NOISY_TOKENS_PER), f"{len(far)} of {len(err)} tokens past the tolerance"
         # On average: a quarter of what the logits' rounding alone can move a token (each token's own
