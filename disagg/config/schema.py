@@ -131,7 +131,8 @@ class RolloutConfig:
     pause (and checked against vLLM's own label of each token's version where vLLM labels them:
     0.32 does, 0.26 does not). 'resubmit': this actor's requests stop and continue on the new
     weights from their tokens so far, which the new version prefills again (any vLLM). 'auto':
-    keep where vLLM labels tokens, else resubmit (keep by counts alone has not run on GPUs yet)."""
+    keep wherever the engine can tell each token's version (vLLM's labels, or the engine core's
+    counts that disagg's vLLM plugin adds: both on 0.26 and 0.32), else resubmit."""
     cpu_affinity: tuple[int, ...] | None = None
     """CPU cores the engines' threads are pinned to (null = the OS decides); see trainer.cpu_affinity."""
     start_timeout_s: float = 300.0

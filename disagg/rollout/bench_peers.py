@@ -33,7 +33,8 @@ class EnginePeers:
                 raise RuntimeError(f"engine {self.engine_id}: in-flight mode not changed to {requested!r}: "
                                    f"{self._active} requests still in flight after {timeout_s:.0f}s")
             await asyncio.sleep(0.05)
-        self._mode = vllm_api.resolve_in_flight_mode(requested, vllm_api.labels_token_versions(self._engine))
+        self._mode = vllm_api.resolve_in_flight_mode(requested, vllm_api.labels_token_versions(self._engine),
+                                                     await vllm_api.has_output_counts(self._engine))
         return self._mode
 
     async def param_checksums(self) -> dict[str, list[int]]:

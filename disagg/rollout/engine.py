@@ -170,8 +170,12 @@ class EngineActor(EngineSync, EnginePeers):
         )
         vllm_api.fork_engine_core()
         self._engine = AsyncLLM.from_engine_args(args)
-        self._mode = vllm_api.resolve_in_flight_mode(self.cfg.in_flight_at_sync,
-                                                     vllm_api.labels_token_versions(self._engine))
+        # Where each token's weight version can come from: vLLM's labels (0.32), the engine core's
+        # counts at each pause (disagg's plugin); keep mode needs one of them.
+        sources = [name for name, has in (("labels", vllm_api.labels_token_versions(self._engine)),
+                                          ("counts", await vllm_api.has_output_counts(self._engine))) if has]
+        self._mode = vllm_api.resolve_in_flight_mode(self.cfg.in_flight_at_sync, "labels" in sources,
+                                                     "counts" in sources)
         node = ray.util.get_node_ip_address()
         if self.cfg.openai_api:
             await self._start_http(node)
@@ -198,6 +202,7 @@ class EngineActor(EngineSync, EnginePeers):
         return {"engine_id": self.engine_id, "start_s": start_s, "node_ip": node, "pid": os.getpid(),
                 "address": self.address, "node_id": ray.get_runtime_context().get_node_id(),
                 "vllm_version": vllm_api.vllm_version(), "in_flight_at_sync": self._mode,
+                "token_version_sources": sources,
                 "kv_block_size": vllm_api.kv_block_size(self._engine),
                 "engine_core_start": core_start}
 

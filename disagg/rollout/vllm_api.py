@@ -12,7 +12,8 @@ OpenAI server and the weight-transfer backend call the functions here:
   labels the engine actor either resubmits its requests at each sync, so that each
   piece of a response comes from one known version, or keeps them paused and cuts
   each response where the engine core's count of its tokens stood at the pause
-  (``output_counts``; ``rollout.in_flight_at_sync``).
+  (``output_counts``; ``rollout.in_flight_at_sync``). ``auto`` keeps wherever it can: where vLLM
+  labels tokens or its engine core answers ``output_counts`` (both releases, disagg's plugin loaded).
 - ``AsyncLLM.update_weight_version`` (0.32) labels the tokens of a new version; a sync sets it after
   its one call into the worker (``sync_weights``), and 0.26 has nothing to set.
 - ``AsyncLLM.get_num_unfinished_requests`` (0.32) or its output processor's (0.26).
@@ -165,12 +166,17 @@ def labels_token_versions(engine) -> bool:
     return hasattr(engine, "update_weight_version") and "weight_versions" in fields
 
 
-def resolve_in_flight_mode(requested: str, labels: bool) -> str:
-    """``rollout.in_flight_at_sync`` for this engine: 'keep' or 'resubmit' (pure). 'auto' keeps only
-    where vLLM labels tokens; an explicit 'keep' also runs without labels (responses cut at the
-    pauses by the engine core's counts, ``output_counts``)."""
+def resolve_in_flight_mode(requested: str, labels: bool, counts: bool) -> str:
+    """``rollout.in_flight_at_sync`` for this engine: 'keep' or 'resubmit' (pure). Keep needs either
+    vLLM's token labels or the engine core's counts (``output_counts``: responses cut at the pauses);
+    'auto' keeps where it has one of them (every engine with disagg's vLLM plugin: 0.26 and 0.32),
+    and resubmits where it has neither; an explicit 'keep' there is a configuration error."""
     if requested == "auto":
-        return "keep" if labels else "resubmit"
+        return "keep" if labels or counts else "resubmit"
+    if requested == "keep" and not (labels or counts):
+        raise ConfigError("rollout.in_flight_at_sync='keep' needs token versions: this vLLM labels no token and "
+                          "its engine core lacks disagg's output counts (the disagg vLLM plugin is not loaded "
+                          "there: is it left out of VLLM_PLUGINS?); use 'resubmit' or 'auto'")
     return requested
 
 
@@ -238,6 +244,16 @@ def _output_counts(core) -> dict[str, int]:
 async def output_counts(engine) -> dict[str, int]:
     """vLLM's internal request id -> output tokens so far, from the engine core (``install_output_counts``)."""
     return await engine.engine_core.call_utility_async("disagg_output_counts")
+
+
+async def has_output_counts(engine, timeout_s: float = 30.0) -> bool:
+    """Whether this engine's core answers ``output_counts``: the disagg plugin was loaded there (vLLM
+    loads every installed general plugin unless ``VLLM_PLUGINS`` names others)."""
+    try:
+        await asyncio.wait_for(output_counts(engine), timeout_s)
+    except Exception:  # noqa: BLE001 - vLLM returns an unknown utility as a generic failure
+        return False
+    return True
 
 
 def sample_of(internal_id: str, live: set[str] | dict) -> tuple[str, int] | None:

@@ -64,7 +64,7 @@ def job(ray_session, model_cache, tmp_path_factory):
     # A large learning rate: one step visibly moves every log-prob.
     j = start_job(model_cache, tmp_path_factory.mktemp("gpu-run"), [
         "trainer.lr=3e-2", "rollout.max_model_len=2048", "model.tiny.max_position_embeddings=2048",
-        "rollout.max_num_seqs=128"])
+        "rollout.max_num_seqs=128", "rollout.in_flight_at_sync=resubmit"])  # keep: test_keep_counts.py
     yield j
     j.shutdown()
 
@@ -151,8 +151,8 @@ def test_after_a_sync_the_openai_endpoint_serves_the_trainer_weights(job, tok):
 
 
 def test_requests_in_flight_continue_across_syncs_with_exact_token_versions(job, tok):
-    """vLLM 0.26 labels no token with its weight version: with ``rollout.in_flight_at_sync=auto`` the
-    engine resubmits at each sync and tags every token itself; each continuation takes over the KV
+    """vLLM 0.26 labels no token with its weight version: with ``rollout.in_flight_at_sync=resubmit``
+    the engine resubmits at each sync and tags every token itself; each continuation takes over the KV
     its earlier pieces computed from vLLM's prefix cache (``Completion.pieces``). Each token's
     behaviour log-prob must be that of the version it is tagged with, over that KV, to bf16
     precision (``check_exact_token_versions``; keep mode: tests/gpu/test_keep_counts.py)."""

