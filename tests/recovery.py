@@ -1,5 +1,6 @@
-"""The only engine dies in the middle of a weight sync: the flow and its checks, shared by the gloo
-test on CPU (tests/integration/test_sole_engine_death.py) and the NCCL one on GPUs
+"""Runs that fail in the middle: the only engine dying mid-sync, the trainer dying mid-sync (and the
+resumed driver killed with SIGKILL): the flows and their checks, shared by the gloo tests on CPU
+(tests/integration/test_sole_engine_death.py, test_trainer_death.py) and the NCCL ones on GPUs
 (tests/gpu/test_nccl_recovery.py)."""
 
 from __future__ import annotations
@@ -102,12 +103,15 @@ def buckets_per_sync(overrides: list[str]) -> int:
     return len(model_manifest(model, cfg.transport.bucket_bytes, 0, cfg.transport.dtype).buckets)
 
 
-def trainer_dies_mid_sync_then_resumes(args: list[str], run_dir, timeout_s: float = 900.0) -> dict:
+def trainer_dies_mid_sync_then_resumes(args: list[str], run_dir, timeout_s: float = 900.0,
+                                       kill_the_resumed_driver: bool = False) -> dict:
     """``disagg train ARGS`` (8 steps, a checkpoint every 2) whose trainer process exits in the
     middle of the weight sync of version 6, the one after step 5, half its buckets sent (the
     ``send_bucket`` fault point, through ``DISAGG_FAULTS``); then ``disagg train ARGS resume=RUN_DIR``
-    finishes the run from the checkpoint of step 4. Returns both runs' exit codes and stderr and
-    the run's records."""
+    finishes the run from the checkpoint of step 4. With ``kill_the_resumed_driver`` the first
+    resumed run's driver is killed with SIGKILL right after its first checkpoint
+    (``driver_killed_after_checkpoint``) and a second ``resume=`` finishes the run from there.
+    Returns the runs' exit codes and stderr and the run's records."""
     import json
 
     from disagg import faults
@@ -119,12 +123,46 @@ def trainer_dies_mid_sync_then_resumes(args: list[str], run_dir, timeout_s: floa
     fire_at = 5 * per_sync + max(1, per_sync // 2)
     first = disagg_process(["train", *args], env={faults.ENV: f"send_bucket:exit:{fire_at}"})
     _, first_err = first.communicate(timeout=timeout_s)
+    killed = (driver_killed_after_checkpoint(["train", *args, f"resume={run_dir}"], run_dir, 1, timeout_s)
+              if kill_the_resumed_driver else None)
     second = disagg_process(["train", *args, f"resume={run_dir}"])
     _, second_err = second.communicate(timeout=timeout_s)
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     resumes = [json.loads(x) for x in (run_dir / "resume.jsonl").read_text().splitlines()]
     return {"first_rc": first.returncode, "first_err": first_err, "rc": second.returncode, "err": second_err,
-            "records": records, "resumes": resumes, "buckets_per_sync": per_sync}
+            "records": records, "resumes": resumes, "buckets_per_sync": per_sync, "killed": killed}
+
+
+def driver_killed_after_checkpoint(cmd: list[str], run_dir, nth: int, timeout_s: float) -> dict:
+    """``disagg CMD`` whose driver freezes itself (SIGSTOP, the ``checkpoint_written`` fault point)
+    right after its ``nth`` checkpoint - in the middle of the run however fast the run and however
+    slow this poll - and is then killed with SIGKILL, as an OOM killer or a lost node would. Returns
+    its exit code, the steps recorded and the checkpoints on disk when it died."""
+    import json
+    import signal
+    from pathlib import Path
+
+    from disagg import faults
+    from tests.conftest import disagg_process
+
+    def stopped(pid: int) -> bool:  # its state in /proc is T
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+
+    proc = disagg_process(cmd, env={faults.ENV: f"checkpoint_written:stop:{nth}"})
+    try:
+        deadline = time.monotonic() + timeout_s
+        while proc.poll() is None and not stopped(proc.pid):
+            assert time.monotonic() < deadline, f"the driver did not stop after checkpoint {nth}"
+            time.sleep(0.5)
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        proc.send_signal(signal.SIGKILL)
+        proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return {"rc": proc.returncode,
+            "steps": [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()],
+            "checkpoints": sorted(p.name for p in (run_dir / "checkpoints").iterdir())}
 
 
 def check_resumed_after_trainer_death(out: dict) -> None:
@@ -139,7 +177,9 @@ def check_resumed_after_trainer_death(out: dict) -> None:
     # One record per step, 1..8, versions continuous: the steps after the checkpoint of step 4 ran again.
     assert [r["step"] for r in records] == list(range(1, 9)), [r["step"] for r in records]
     assert [r["policy_version"] for r in records] == list(range(2, 10))
-    assert len(out["resumes"]) == 1 and out["resumes"][0]["step"] == 4, out["resumes"]
+    # Resumed from the checkpoint of step 4 (then, where the resumed driver was killed, from its own).
+    killed = [int(out["killed"]["checkpoints"][-1].removeprefix("step_"))] if out.get("killed") else []
+    assert [r["step"] for r in out["resumes"]] == [4, *killed], out["resumes"]
     after = [r for r in records if r["step"] > 4]
     assert all(r["rollout/prompts_lost"] == 0 and r["rollout/dummy_served"] == 0 for r in after)
     assert all(r["samples/trained_beyond_staleness"] == 0 for r in after)

@@ -11,23 +11,19 @@ Every failure must end in a replacement that receives the trainer's weights befo
 prompts, with no prompt group lost, no sample trained beyond the staleness limit and no
 request answered on dummy weights.
 
-Then the driver is killed with SIGKILL in the middle of a `disagg train` run (it stops itself
-right after its second checkpoint, a fault point, so that the run cannot end first), and
-`disagg train resume=<run_dir>` finishes it from the last checkpoint.
+The driver killed with SIGKILL in the middle of a `disagg train` run, then resumed: in
+test_trainer_death.py (its chain of runs has that run already).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
-from pathlib import Path
 
 import pytest
 
-from disagg import faults
-from tests.conftest import SMALL_CLI, disagg_process, small_config
+from tests.conftest import small_config
 from tests.recovery import first_sync_and_pipeline
 
 HEALTH_TIMEOUT_S = 10.0
@@ -158,50 +154,3 @@ def test_the_status_shows_the_deaths_and_replacements(faulty_run):
     # While a replacement was starting, the status listed the dead engine with its reason.
     assert any(st.engine(0).state.value == "DEAD" and "died" in st.engine(0).message
                for _, st, _ in faulty_run["status"] if 0 in {e.engine_id for e in st.engines})
-
-
-# ---- the driver killed -9, then resumed --------------------------------------------------------
-
-def _records(run_dir):
-    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def _stopped(pid: int) -> bool:
-    """Whether process ``pid`` is stopped (SIGSTOP): its state in /proc is T."""
-    return (Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]) == "T"
-
-
-def test_a_driver_killed_with_sigkill_resumes_from_its_checkpoint(model_cache, tmp_path):
-    run_dir = tmp_path / "run"
-    args = [*SMALL_CLI, "algorithm.max_staleness=1", "trainer.checkpoint_every=2", f"model.cache_dir={model_cache}",
-            f"hydra.run.dir={run_dir}"]
-    # The driver freezes itself right after its second checkpoint (step 4, or 5 if that step was
-    # already under way): in the middle of the run however fast the run and however slow this poll.
-    proc = disagg_process(["train", *args, "trainer.total_steps=8"],
-                          env={faults.ENV: "checkpoint_written:stop:2"})
-    try:
-        deadline = time.monotonic() + 600
-        while proc.poll() is None and not _stopped(proc.pid):
-            assert time.monotonic() < deadline, "the driver did not stop after its second checkpoint"
-            time.sleep(0.5)
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
-        proc.send_signal(signal.SIGKILL)
-        proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    before = _records(run_dir)
-    killed_at = max(r["step"] for r in before)
-    assert killed_at < 8
-    resumed = disagg_process(["train", *args, "trainer.total_steps=8", f"resume={run_dir}"])
-    out, err = resumed.communicate(timeout=900)
-    assert resumed.returncode == 0, err[-4000:]
-    records = _records(run_dir)
-    # One record per step, 1..8, versions continuous: the steps after the checkpoint ran again.
-    assert [r["step"] for r in records] == list(range(1, 9))
-    assert [r["policy_version"] for r in records] == list(range(2, 10))
-    after = [r for r in records if r["step"] > 4]
-    assert all(r["rollout/prompts_lost"] == 0 and r["rollout/dummy_served"] == 0 for r in after)
-    assert all(r["samples/trained_beyond_staleness"] == 0 for r in after)
-    resumes = [json.loads(x) for x in (run_dir / "resume.jsonl").read_text().splitlines()]
-    assert len(resumes) == 1
