@@ -48,6 +48,21 @@ def disagg_process(args: list[str], env: dict[str, str] | None = None, **kw):
                             text=True, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, **kw)
 
 
+def rank_processes():
+    """The multiprocessing context the transport tests start their rank processes from: a fork
+    server that imported torch, disagg's transport and those tests' modules once, so that each rank
+    starts by a fork of it instead of importing torch again (spawn: ~1.7 s of a core per rank, four
+    ranks a test). The server is started before any test's threads exist in it, and CUDA is never
+    initialised there (the GPU forms initialise it in each rank)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "disagg.transport.sender", "disagg.transport.receiver",
+                                "disagg.transport.sync", "tests.integration.test_transport_gloo",
+                                "tests.integration.test_sync_modes"])
+    return ctx
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 

@@ -171,6 +171,25 @@ def _start(cfg, run_dir: Path):
     return job, AutoTokenizer.from_pretrained(model_path)
 
 
+def _reward_pool(cfg) -> list[Any]:
+    """``cfg``'s reward workers, started and ready: a section's runs share them (``reward_workers``),
+    so that no run's clock holds their start (a Ray worker process each)."""
+    import ray
+
+    from disagg.pipeline.rewards import start_reward_workers
+
+    pool = start_reward_workers(cfg)
+    ray.get([w.set_latency.remote(0.0) for w in pool], timeout=120)
+    return pool
+
+
+def _end(pool: list[Any]) -> None:
+    import ray
+
+    for w in pool:
+        ray.kill(w)
+
+
 def _run(cfg, job, tok, steps: int, first: int, **kw) -> tuple[Any, float]:
     from disagg.train import make_pipeline
 
@@ -198,11 +217,12 @@ def long_tail(o: PipelineBenchOptions, run_dir: Path) -> dict[str, Any]:
             return SamplingSpec(max_tokens=n, temperature=1.0, n=cfg.algorithm.group_size, ignore_eos=True)
         return lengths
 
+    pool = _reward_pool(cfg)  # every run's reward worker (started once, not on any run's clock)
     try:
         if o.tail_warmup_steps:  # vLLM's first batches of each shape are slow: not on the batch run's clock
             job.coordinator.state.set_max_staleness(0)
             _run(_replace(_replace(cfg, "rollout", scheduler="batch"), "algorithm", max_staleness=0), job, tok,
-                 o.tail_warmup_steps, version, sampling_for=lengths_from(random.Random(1)))
+                 o.tail_warmup_steps, version, sampling_for=lengths_from(random.Random(1)), reward_workers=pool)
             version += o.tail_warmup_steps
         started = job.rollout.start_info[0]["in_flight_at_sync"]  # as the engines chose it
         for mode, scheduler, staleness, in_flight in tail_runs(o):
@@ -213,7 +233,7 @@ def long_tail(o: PipelineBenchOptions, run_dir: Path) -> dict[str, Any]:
                             sync_interval=min(o.tail_sync_interval, limit) if mode == "stream_interval" else 1)
             job.coordinator.state.set_max_staleness(mcfg.algorithm.max_staleness)
             before = _engine_counts(job)
-            p, wall = _run(mcfg, job, tok, o.tail_steps, version, sampling_for=lengths)
+            p, wall = _run(mcfg, job, tok, o.tail_steps, version, sampling_for=lengths, reward_workers=pool)
             engines = {k: v - before[k] for k, v in _engine_counts(job).items()}
             version += o.tail_steps
             out[mode] = {"trained_tokens": p.trained_tokens, "seconds": wall, "in_flight_at_sync": in_flight,
@@ -231,6 +251,7 @@ def long_tail(o: PipelineBenchOptions, run_dir: Path) -> dict[str, Any]:
                          "engines": engines, **_profile(p.records)}
             log.warning("long tail, %s: %.0f trained tokens/s", mode, out[mode]["trained_tokens_per_s"])
     finally:
+        _end(pool)
         job.shutdown()
     # what a sync did with the requests in flight (rollout.in_flight_at_sync, as the engines chose it)
     out["in_flight_at_sync"] = job.rollout.start_info[0]["in_flight_at_sync"]
@@ -330,8 +351,6 @@ def reward_overlap(o: PipelineBenchOptions, run_dir: Path) -> dict[str, Any]:
     """Batch-ready time with rewards overlapped with generation vs scored after it."""
     import ray
 
-    from disagg.pipeline import RewardWorker
-
     from disagg.rollout.types import SamplingSpec
 
     workers = o.reward_workers
@@ -347,33 +366,32 @@ def reward_overlap(o: PipelineBenchOptions, run_dir: Path) -> dict[str, Any]:
         return lambda row: SamplingSpec(max_tokens=rng.randint(o.overlap_min_tokens, o.overlap_max_tokens),
                                         temperature=1.0, n=cfg.algorithm.group_size, ignore_eos=True)
 
+    pool = _reward_pool(cfg)  # every run's reward workers, and the reward stage's alone
     try:
-        _run(cfg, job, tok, 2, version, sampling_for=lengths())  # warm-up: first requests, actor starts
+        _run(cfg, job, tok, 2, version, sampling_for=lengths(), reward_workers=pool)  # warm-up: first requests
         version += 2
-        p, _ = _run(cfg, job, tok, o.overlap_steps, version, sampling_for=lengths())
+        p, _ = _run(cfg, job, tok, o.overlap_steps, version, sampling_for=lengths(), reward_workers=pool)
         version += o.overlap_steps
         rollout_s = _stage(p)  # generation alone (rewards are instant)
         samples = cfg.algorithm.prompts_per_step * cfg.algorithm.group_size
         latency = rollout_s / samples  # total reward time (the sum over a batch) ~ total rollout time
         # The reward stage alone: one batch through the same pool, nothing generating.
-        pool = [ray.remote(RewardWorker).options(num_cpus=0).remote("reverse_digits", None, latency, "WARNING")
-                for _ in range(workers)]
         texts = ["1234"] * cfg.algorithm.group_size
         row = {"answer": "4321", "prompt": "1234="}
-        ray.get([w.score.remote([], row) for w in pool], timeout=120)  # started, not timed
+        ray.get([w.set_latency.remote(latency) for w in pool], timeout=120)
         t0 = time.perf_counter()
         ray.get([pool[g % workers].score.remote(texts, row) for g in range(cfg.algorithm.prompts_per_step)],
                 timeout=600)
         pool_s = time.perf_counter() - t0
         reward_s = latency * samples
-        for w in pool:
-            ray.kill(w)
         lcfg = _replace(cfg, "reward", latency_s=latency)
         for name, overlap in (("serial", False), ("overlapped", True)):
-            p, _ = _run(lcfg, job, tok, o.overlap_steps, version, overlap_rewards=overlap, sampling_for=lengths())
+            p, _ = _run(lcfg, job, tok, o.overlap_steps, version, overlap_rewards=overlap, sampling_for=lengths(),
+                        reward_workers=pool)
             version += o.overlap_steps
             out[f"{name}_stage_s"] = _stage(p)
     finally:
+        _end(pool)
         job.shutdown()
     longest = max(rollout_s, reward_s)
     out.update(rollout_stage_s=rollout_s, reward_stage_s=reward_s, reward_pool_s=pool_s, reward_workers=workers,

@@ -36,7 +36,9 @@ class Pipeline:
 
     ``sampling_for(row)`` may override the sampling of a prompt (benchmarks control
     response lengths with it); ``on_step(step, record)`` is called after each step's
-    metrics are logged (tests change the staleness limit from it over gRPC).
+    metrics are logged (tests change the staleness limit from it over gRPC);
+    ``reward_workers`` are reward workers started by the caller (``start_reward_workers``),
+    which several runs share (benchmarks), else the pipeline starts and ends its own.
 
     Operator commands arrive through the coordinator's state (the gRPC Ops service):
     while the rollout is paused no new group starts; a stop request ends the run after
@@ -50,7 +52,8 @@ class Pipeline:
                  decode: Callable[[list[int]], str], scorer, metrics=None, progress=None,
                  sampling_for: Callable[[dict], SamplingSpec] | None = None,
                  on_step: Callable[[int, dict], None] | None = None, overlap_rewards: bool = True,
-                 agent: bool = False, checkpoint: Callable[[int, int], str] | None = None) -> None:
+                 agent: bool = False, checkpoint: Callable[[int, int], str] | None = None,
+                 reward_workers: list | None = None) -> None:
         self.cfg, self.job, self.data = cfg, job, source
         self.decode, self.scorer, self.agent = decode, scorer, agent
         self.metrics, self.progress, self.on_step, self.checkpoint = metrics, progress, on_step, checkpoint
@@ -66,7 +69,7 @@ class Pipeline:
                               self.runners if agent else None)
         self.fleet = EngineFleet(cfg, job, state, self.runners, agent, requeue=self.gen.requeue,
                                  streams_of=self.gen.streams_of, generating=self.sched.generating_on)
-        self.rewards = RewardDispatch(cfg, scorer, overlap_rewards)
+        self.rewards = RewardDispatch(cfg, scorer, overlap_rewards, reward_workers)
         self.sync = SyncController(cfg, job, state, self.fleet)
         self.recorder = StepRecorder(agent)
         self.train = TrainStep(job)

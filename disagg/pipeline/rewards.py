@@ -33,6 +33,10 @@ class RewardWorker:
         self._logged: set[str] = set()
         freeze_heap("reward worker")
 
+    def set_latency(self, latency_s: float) -> None:
+        """``reward.latency_s`` of the next run (a benchmark's runs share their workers)."""
+        self.latency_s = latency_s
+
     def score(self, texts: list[str], row: dict[str, Any]) -> tuple[list[float], dict[str, int]]:
         """Rewards of a group's texts; a raising or NaN reward scores 0 and is counted."""
         counts: Counter = Counter()
@@ -42,6 +46,16 @@ class RewardWorker:
     def score_groups(self, groups: list[tuple[list[str], dict[str, Any]]]) -> list[tuple[list[float], dict[str, int]]]:
         """``score`` of each (texts, row): the groups that finished together, in one call."""
         return [self.score(texts, row) for texts, row in groups]
+
+
+def start_reward_workers(cfg) -> list[Any]:
+    """``reward.num_workers`` reward worker actors for ``cfg`` (none: the driver scores)."""
+    import ray
+
+    rc = cfg.reward
+    cls = ray.remote(RewardWorker).options(num_cpus=rc.cpus_per_worker)
+    return [cls.remote(rc.name, rc.path, rc.latency_s, cfg.logging.level, rc.require_sandbox_isolation)
+            for _ in range(rc.num_workers)]
 
 
 def reward_calls(gids: list[int], num_workers: int, next_worker: int) -> list[tuple[int, list[int]]]:
@@ -56,10 +70,11 @@ class RewardDispatch:
     (finished, not sent yet) and scoring (in a worker's call). ``counts``: its own events
     (``reward_calls``)."""
 
-    def __init__(self, cfg, scorer, overlap: bool = True) -> None:
+    def __init__(self, cfg, scorer, overlap: bool = True, workers: list[Any] | None = None) -> None:
         self.cfg, self.scorer, self.overlap = cfg, scorer, overlap
         self.counts: Counter = Counter()
         self.workers: list[Any] = []
+        self._lent = workers  # started by the caller (a benchmark's runs share them): left alive at close
         self.held: list[tuple[int, list[str], dict[str, Any]]] = []  # (gid, texts, row)
         self.calls: dict[Any, list[int]] = {}  # a worker's call -> the gids it scores
         self._next_worker = 0  # the worker the next call goes to first
@@ -67,19 +82,18 @@ class RewardDispatch:
     def start(self) -> None:
         import ray
 
-        rc = self.cfg.reward
-        if rc.num_workers == 0:
-            return  # scored on the driver by the scorer
-        cls = ray.remote(RewardWorker).options(num_cpus=rc.cpus_per_worker)
-        self.workers = [cls.remote(rc.name, rc.path, rc.latency_s, self.cfg.logging.level,
-                                   rc.require_sandbox_isolation)
-                        for _ in range(rc.num_workers)]
+        if self._lent is not None:
+            ray.get([w.set_latency.remote(self.cfg.reward.latency_s) for w in self._lent], timeout=120)
+            self.workers = list(self._lent)
+        else:
+            self.workers = start_reward_workers(self.cfg)
 
     def close(self) -> None:
         import ray
 
-        for w in self.workers:
-            ray.kill(w)
+        if self._lent is None:
+            for w in self.workers:
+                ray.kill(w)
         self.workers = []
 
     def scoring(self) -> int:

@@ -70,11 +70,14 @@ def test_prometheus_endpoints_of_a_live_run(live_run, capsys):
     assert ctl.main(["status", "--run-dir", str(run_dir)]) == 0
     assert url in capsys.readouterr().out
 
-    def agreeing():  # a scrape, the status, a scrape: the same versions when no step finished between
+    def agreeing():  # a scrape, the status, a scrape: the same versions and engine states when no step
+        # finished and no sync began or ended between them (a sync flips an engine READY <-> SYNCING)
         before, st, after = _scrape(url), client.status(), _scrape(url)
         keys = [("disagg_trainer_policy_version", st.trainer_version), ("disagg_trainer_step", st.trainer_step),
-                ("disagg_committed_policy_version", st.committed_version)]
-        if all(before[k] == v == after[k] for k, v in keys):
+                ("disagg_committed_policy_version", st.committed_version),
+                *[(f"disagg_engine_state,disagg_engine_state={e.state.value},engine_id={e.engine_id}", 1)
+                  for e in st.engines]]
+        if all(before.get(k) == v == after.get(k) for k, v in keys):
             return after, st
 
     first, st = _wait(agreeing, 60, "a scrape that agrees with the status", proc)

@@ -16,6 +16,8 @@ import queue
 import pytest
 import torch
 
+from tests.conftest import rank_processes
+
 HOST = "127.0.0.1"
 BUCKET_BYTES = 2048
 TIMEOUT_S = 20.0
@@ -219,7 +221,7 @@ def _run(trainers: int, source: str, corrupt: bool = False, backend: str = "gloo
     from disagg.transport.group import pick_free_port
     from disagg.transport.sync import source_groups_needed
 
-    ctx = mp.get_context("spawn")
+    ctx = rank_processes()
     out = ctx.Queue()
     started = ctx.Barrier(trainers + receivers)
     num_groups = source_groups_needed(source, trainers)

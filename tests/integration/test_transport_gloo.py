@@ -20,11 +20,12 @@ from disagg.errors import TransportError
 from disagg.transport.group import create_group, pick_free_port
 from disagg.transport.receiver import TorchModelReceiver, receive_weights
 from disagg.transport.sender import WeightSender, build_manifest
+from tests.conftest import rank_processes
 
 HOST = "127.0.0.1"
 BUCKET_BYTES = 4096
 TIMEOUT_S = 3.0
-SPAWN_LIMIT_S = 180.0  # for the spawned processes to start (each imports torch) and report
+SPAWN_LIMIT_S = 180.0  # for the rank processes to start and report
 
 
 class _Net(torch.nn.Module):
@@ -200,7 +201,7 @@ def _child(target, rank: int, world: int, port: int, results, started) -> None:
 def _spawn(target, world: int, ranks: list[int],
            limit_s: float = SPAWN_LIMIT_S) -> tuple[dict[int, dict], dict[int, int]]:
     """Run ``target`` on ``ranks`` of a world of ``world``; return reports and exit codes."""
-    ctx = mp.get_context("spawn")
+    ctx = rank_processes()
     results = ctx.Queue()
     started = ctx.Barrier(len(ranks))
     port = pick_free_port(HOST)

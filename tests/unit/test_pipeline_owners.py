@@ -480,6 +480,36 @@ def test_rewards_are_scored_on_the_driver_without_workers_and_held_while_generat
     assert overlapped.counts["reward_calls"] == serial.counts["reward_calls"] == 0  # no worker was called
 
 
+class _LentWorker:
+    """A reward worker a benchmark started and lends to each run (``Pipeline(reward_workers=...)``)."""
+
+    def __init__(self, log):
+        self.log = log
+        self.set_latency = SimpleNamespace(remote=lambda s: log.append(("latency", s)))
+        self.score_groups = SimpleNamespace(remote=lambda groups: log.append(("score", len(groups))) or len(log))
+
+
+def test_lent_reward_workers_take_the_runs_latency_score_its_groups_and_outlive_it(monkeypatch) -> None:
+    import ray
+
+    killed: list = []
+    monkeypatch.setattr(ray, "get", lambda refs, timeout=None: [None for _ in refs])
+    monkeypatch.setattr(ray, "kill", killed.append)
+    log: list = []
+    lent = [_LentWorker(log), _LentWorker(log)]
+    cfg = _cfg()
+    cfg.reward = SimpleNamespace(num_workers=2, latency_s=0.25)
+    rewards = RewardDispatch(cfg, _Scorer(), overlap=True, workers=lent)
+    rewards.start()
+    assert log == [("latency", 0.25), ("latency", 0.25)] and rewards.workers == lent
+    for gid in (1, 2, 3):
+        rewards.finished(gid, ["ab"], {"bonus": 0.0})
+    assert rewards.flush(generating=True) == []  # sent to the lent workers, not scored on the driver
+    assert [x for x in log if x[0] == "score"] == [("score", 2), ("score", 1)]
+    rewards.close()
+    assert killed == [] and rewards.workers == []  # the lender ends them, after its last run
+
+
 class _Stream:
     def __init__(self, log, eid):
         self.log, self.eid = log, eid
