@@ -22,18 +22,25 @@ from tests.conftest import small_config
 TOOLS = ["calculator"]
 
 
+def agent_config(model_cache):
+    """The module's config; its model (a 200-step warm start on the calculator format) is built in
+    the background from the session's start (tests/conftest.py, ``prebuilt_models``)."""
+    return small_config(model_cache, data={"task": "calculator", "add_bos": False},
+                        reward={"name": "calculator", "num_workers": 1},
+                        rollout={"num_engines": 2, "max_model_len": 256, "max_tokens": 64, "max_inflight_groups": 8,
+                                 "gpu_memory_utilization": 0.06},
+                        algorithm={"group_size": 4, "prompts_per_step": 4},
+                        model={"warmstart": {"steps": 200, "batch_size": 16, "lr": 3e-3}},
+                        agent={"max_turns": 3, "max_tokens_per_turn": 80, "max_trajectory_tokens": 160})
+
+
 @pytest.fixture(scope="module")
-def job(ray_session, model_cache, tmp_path_factory):
+def job(ray_session, model_cache, tmp_path_factory, prebuilt_models):
     from disagg.job import Job
     from disagg.model.warmstart import prepare_model
 
-    cfg = small_config(model_cache, data={"task": "calculator", "add_bos": False},
-                       reward={"name": "calculator", "num_workers": 1},
-                       rollout={"num_engines": 2, "max_model_len": 256, "max_tokens": 64, "max_inflight_groups": 8,
-                                "gpu_memory_utilization": 0.06},
-                       algorithm={"group_size": 4, "prompts_per_step": 4},
-                       model={"warmstart": {"steps": 200, "batch_size": 16, "lr": 3e-3}},
-                       agent={"max_turns": 3, "max_tokens_per_turn": 80, "max_trajectory_tokens": 160})
+    cfg = agent_config(model_cache)
+    prebuilt_models.wait(__name__)
     j = Job.start(cfg, tmp_path_factory.mktemp("agent-run"), prepare_model(cfg))
     yield j
     j.shutdown()
