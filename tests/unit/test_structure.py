@@ -91,7 +91,7 @@ def test_the_cycle_finder_finds_one():
 def test_a_reward_or_agent_worker_process_imports_neither_torch_nor_vllm():
     """Ray imports an actor's class by its module in a fresh worker process: a reward worker
     (``disagg.pipeline.rewards``) and an agent runner (``disagg.agent.runner``) need neither
-    torch nor vLLM, and importing torch would cost each worker ~1.4 s and ~300 MB."""
+    torch nor vLLM, and importing torch would cost each worker ~1.4 s and ~190 MB."""
     import subprocess
     import sys
 
