@@ -23,8 +23,6 @@ class EnginePeers:
         now on (``rollout.in_flight_at_sync``, resolved for this vLLM as at start). Only between runs:
         waits up to ``timeout_s`` for this actor's requests to finish (a run's leftovers being
         cancelled), then refuses. Returns the mode now in force."""
-        from disagg.rollout import vllm_api
-
         if requested not in ("auto", "keep", "resubmit"):
             raise ValueError(f"rollout.in_flight_at_sync must be auto, keep or resubmit, got {requested!r}")
         deadline = time.monotonic() + timeout_s
@@ -33,8 +31,7 @@ class EnginePeers:
                 raise RuntimeError(f"engine {self.engine_id}: in-flight mode not changed to {requested!r}: "
                                    f"{self._active} requests still in flight after {timeout_s:.0f}s")
             await asyncio.sleep(0.05)
-        self._mode = vllm_api.resolve_in_flight_mode(requested, vllm_api.labels_token_versions(self._engine),
-                                                     await vllm_api.has_output_counts(self._engine))
+        self._mode = self._resolve_in_flight_mode(requested)
         return self._mode
 
     async def param_checksums(self) -> dict[str, list[int]]:

@@ -115,6 +115,7 @@ class EngineActor(EngineSync, EnginePeers):
         self._submitted = asyncio.Event()
         self._submitted.set()
         self._mode = "keep"  # rollout.in_flight_at_sync as resolved for this vLLM (start())
+        self._version_sources: list[str] = []  # where tokens' versions come from here: labels, counts (start())
         self._live: set[str] = set()  # this actor's request ids in vLLM
         self._aborted_by_sync: set[str] = set()  # resubmit mode: of those, the ones a sync aborted (to continue)
         # keep mode: (request id, sample) -> (its tokens when a sync paused it, the version loaded then)
@@ -172,10 +173,10 @@ class EngineActor(EngineSync, EnginePeers):
         self._engine = AsyncLLM.from_engine_args(args)
         # Where each token's weight version can come from: vLLM's labels (0.32), the engine core's
         # counts at each pause (disagg's plugin); keep mode needs one of them.
-        sources = [name for name, has in (("labels", vllm_api.labels_token_versions(self._engine)),
-                                          ("counts", await vllm_api.has_output_counts(self._engine))) if has]
-        self._mode = vllm_api.resolve_in_flight_mode(self.cfg.in_flight_at_sync, "labels" in sources,
-                                                     "counts" in sources)
+        self._version_sources = [name for name, has in (
+            ("labels", vllm_api.labels_token_versions(self._engine)),
+            ("counts", await vllm_api.has_output_counts(self._engine))) if has]
+        self._mode = self._resolve_in_flight_mode(self.cfg.in_flight_at_sync)
         node = ray.util.get_node_ip_address()
         if self.cfg.openai_api:
             await self._start_http(node)
@@ -202,9 +203,14 @@ class EngineActor(EngineSync, EnginePeers):
         return {"engine_id": self.engine_id, "start_s": start_s, "node_ip": node, "pid": os.getpid(),
                 "address": self.address, "node_id": ray.get_runtime_context().get_node_id(),
                 "vllm_version": vllm_api.vllm_version(), "in_flight_at_sync": self._mode,
-                "token_version_sources": sources,
+                "token_version_sources": self._version_sources,
                 "kv_block_size": vllm_api.kv_block_size(self._engine),
                 "engine_core_start": core_start}
+
+    def _resolve_in_flight_mode(self, requested: str) -> str:
+        """``requested`` resolved for this engine's token-version sources (found once, at start)."""
+        return vllm_api.resolve_in_flight_mode(requested, "labels" in self._version_sources,
+                                               "counts" in self._version_sources)
 
     async def _start_http(self, node_ip: str) -> None:
         """Serve vLLM's OpenAI API from this actor, behind the weights-loaded gate."""
