@@ -15,7 +15,8 @@ from typing import Any, Literal
 @dataclass(frozen=True)
 class ClusterConfig:
     address: str | None = None
-    """Ray address to connect to; null -> $RAY_ADDRESS, else start a local cluster."""
+    """Ray address to connect to; null -> $RAY_ADDRESS, else start a local cluster (one of its own,
+    also where `ray start` runs one here: `auto` joins that one)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Bundle kind: 'cuda' -> GPU bundles; 'cpu' -> CPU bundles; 'auto' -> cuda iff torch sees a GPU."""
     num_cpus: int | None = None

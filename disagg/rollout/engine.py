@@ -197,15 +197,18 @@ class EngineActor(EngineSync, EnginePeers):
             self._registered = True
         freeze_heap(f"engine {self.engine_id}")
         core_start = vllm_api.engine_core_start(self._engine)
+        import torch._dynamo
+
+        dynamo = "off" if torch._dynamo.config.disable else "on"  # vllm_api.engine_env
         log.info("engine started in %.1fs (vLLM %s, load_format=%s, in-flight requests at a sync: %s, "
-                 "engine core %s)", start_s, vllm_api.vllm_version(), self.cfg.load_format, self._mode,
-                 core_start or "elsewhere")
+                 "engine core %s, torch dynamo %s)", start_s, vllm_api.vllm_version(), self.cfg.load_format,
+                 self._mode, core_start or "elsewhere", dynamo)
         return {"engine_id": self.engine_id, "start_s": start_s, "node_ip": node, "pid": os.getpid(),
                 "address": self.address, "node_id": ray.get_runtime_context().get_node_id(),
                 "vllm_version": vllm_api.vllm_version(), "in_flight_at_sync": self._mode,
                 "token_version_sources": self._version_sources,
                 "kv_block_size": vllm_api.kv_block_size(self._engine),
-                "engine_core_start": core_start}
+                "engine_core_start": core_start, "dynamo": dynamo}
 
     def _resolve_in_flight_mode(self, requested: str) -> str:
         """``requested`` resolved for this engine's token-version sources (found once, at start)."""

