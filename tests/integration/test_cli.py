@@ -1,23 +1,40 @@
-"""`disagg train` as a user runs it (a subprocess), and `disagg ctl status`
-against that run's live coordinator over real gRPC."""
+"""`disagg train` as a user runs it (a subprocess: real Ray, vLLM, gloo) on a user's own model
+directory, JSONL data (one malformed row) and reward function by import path, operated while it
+runs: `disagg ctl status` against its live coordinator over real gRPC; the Ops gRPC service (token,
+watch, pause/resume, set-staleness, checkpoint, graceful stop); its Prometheus endpoints (the
+coordinator's and each engine's vLLM /metrics). Then what the stopped run left (metrics, plots,
+exit status, console), and `disagg generate` on the same model.
+
+One `disagg train` process serves all of that (each costs a Ray start, an engine and a trainer):
+the operating tests run first and end it with Stop; the run's own checks read what it left."""
 
 from __future__ import annotations
 
 import io
 import json
+import os
 import re
+import stat
+import threading
 import time
+import urllib.request
 from contextlib import redirect_stdout
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
+from disagg.control import ctl
+from disagg.control.auth import read_token
+from disagg.control.client import ControlRpcError, CoordinatorClient
 from disagg.metrics import REQUIRED_KEYS
 from tests.conftest import SMALL_CLI, disagg_process
 
 REPO = Path(__file__).resolve().parents[2]
 
-SMALL_ARGS = ["trainer.total_steps=3", *SMALL_CLI]
+TOTAL_STEPS = 2000  # far more steps than the tests let it run: it ends on Stop
+SMALL_ARGS = [f"trainer.total_steps={TOTAL_STEPS}", *SMALL_CLI]
+BATCH_GROUPS = 4  # algorithm.prompts_per_step in SMALL_CLI
 
 
 def _ctl(argv) -> tuple[int, str]:
@@ -29,11 +46,41 @@ def _ctl(argv) -> tuple[int, str]:
     return rc, buf.getvalue()
 
 
+def _wait(cond, timeout_s: float, what: str, proc=None):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"the run exited ({proc.returncode}) while waiting for {what}: "
+                                 f"{proc.stderr.read()[-3000:]}")
+        value = cond()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+
+
+class LiveRun:
+    """The module's `disagg train` process and what the tests saw of it. ``output`` waits for the
+    process to end (the operating test's Stop, else a Stop of its own) and keeps its output."""
+
+    def __init__(self, proc, run_dir: Path, client: CoordinatorClient, status: dict, table: str, **user) -> None:
+        self.proc, self.run_dir, self.client, self.status, self.table = proc, run_dir, client, status, table
+        self.user = user  # model_dir, common (the user's overrides), tmp
+        self._output: tuple[str, str] | None = None
+
+    def output(self, stop_reason: str = "the module's checks") -> tuple[str, str]:
+        if self._output is None:
+            if self.proc.poll() is None:
+                try:  # a no-op where the operating test's Stop came first
+                    self.client.stop(stop_reason)
+                except ControlRpcError:
+                    pass
+            self._output = self.proc.communicate(timeout=300)
+        return self._output
+
+
 @pytest.fixture(scope="module")
-def user_run(tmp_path_factory, model_cache):
-    """`disagg train` for three steps on a user's own model directory, JSONL data (one malformed
-    row) and reward function by import path, with `disagg ctl status` polled while it runs: one run
-    serves the CLI's and the user-input tests (each `disagg train` costs a Ray start and an engine)."""
+def live_run(tmp_path_factory, model_cache):
     from disagg.model.warmstart import prepare_model
     from tests.conftest import small_config
 
@@ -44,30 +91,154 @@ def user_run(tmp_path_factory, model_cache):
     root = tmp / "runs"
     run_dir = root / "cli-run"
     proc = disagg_process(["train", *SMALL_ARGS, *common, f"logging.root_dir={root}", f"hydra.run.dir={run_dir}"])
-    addr_file = run_dir / "coordinator.addr"
-    seen_status = None
-    table = ""
-    deadline = time.monotonic() + 600
-    # Poll the live coordinator until the first committed version shows up.
-    while proc.poll() is None and time.monotonic() < deadline:
-        if addr_file.exists():
-            addr = addr_file.read_text().strip()
+    try:
+        _wait(lambda: (run_dir / "coordinator.addr").exists() and (run_dir / "control.token").exists(), 300,
+              "the coordinator's address and token", proc)
+        addr = (run_dir / "coordinator.addr").read_text().strip()
+
+        def committed():  # `disagg ctl status` polled until the first committed version shows up
             rc, out = _ctl(["status", "--run-dir", str(run_dir), "--json", "--timeout", "2"])
-            if rc == 0:
-                st = json.loads(out)
-                if st["committed_version"] >= 1 and st["engines"]:
-                    seen_status = st
-                    table = _ctl(["status", "--address", addr, "--token-file", str(run_dir / "control.token")])[1]
-                    break
-        time.sleep(0.05)
-    out, err = proc.communicate(timeout=600)
-    return {"proc": proc, "out": out, "err": err, "run_dir": run_dir, "status": seen_status, "table": table,
-            "model_dir": model_dir, "common": common, "tmp": tmp}
+            st = json.loads(out) if rc == 0 else None
+            return st if st and st["committed_version"] >= 1 and st["engines"] else None
+
+        seen_status = _wait(committed, 600, "a committed version through `disagg ctl status`", proc)
+        table = _ctl(["status", "--address", addr, "--token-file", str(run_dir / "control.token")])[1]
+        client = CoordinatorClient(addr, timeout_s=10, token=read_token(run_dir / "control.token"))
+        _wait(lambda: client.status().trainer_step >= 2, 600, "two trained steps", proc)
+        yield LiveRun(proc, run_dir, client, seen_status, table, model_dir=model_dir, common=common, tmp=tmp)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=60)
 
 
-def test_train_three_steps_writes_metrics_and_ctl_sees_the_live_run(user_run):
-    proc, out, err, run_dir = user_run["proc"], user_run["out"], user_run["err"], user_run["run_dir"]
-    seen_status, table = user_run["status"], user_run["table"]
+def _scrape(url: str) -> dict[str, float]:
+    """{sample name with its labels: value} of one scrape, parsed by prometheus-client."""
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    return {s.name + "".join(f",{k}={v}" for k, v in sorted(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_prometheus_endpoints_of_a_live_run(live_run, capsys):
+    run_dir, proc, client = live_run.run_dir, live_run.proc, live_run.client
+    assert ctl.main(["status", "--run-dir", str(run_dir), "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    url = shown["metrics_url"]
+    assert url.startswith("http://127.0.0.1:") and url.endswith("/metrics")
+    assert ctl.main(["status", "--run-dir", str(run_dir)]) == 0
+    assert url in capsys.readouterr().out
+
+    def agreeing():  # a scrape, the status, a scrape: the same versions and engine states when no step
+        # finished and no sync began or ended between them (a sync flips an engine READY <-> SYNCING)
+        before, st, after = _scrape(url), client.status(), _scrape(url)
+        keys = [("disagg_trainer_policy_version", st.trainer_version), ("disagg_trainer_step", st.trainer_step),
+                ("disagg_committed_policy_version", st.committed_version),
+                *[(f"disagg_engine_state,disagg_engine_state={e.state.value},engine_id={e.engine_id}", 1)
+                  for e in st.engines]]
+        if all(before.get(k) == v == after.get(k) for k, v in keys):
+            return after, st
+
+    first, st = _wait(agreeing, 60, "a scrape that agrees with the status", proc)
+    assert first["disagg_max_staleness"] == st.max_staleness
+    _wait(lambda: client.status().trainer_step >= st.trainer_step + 2, 120, "two more steps", proc)
+    second, st2 = _wait(agreeing, 60, "a scrape that agrees with the status", proc)
+    assert second["disagg_trainer_policy_version"] > first["disagg_trainer_policy_version"]
+    assert second["disagg_committed_policy_version"] >= first["disagg_trainer_policy_version"]
+    assert second["disagg_weight_sync_seconds_count"] > first["disagg_weight_sync_seconds_count"] >= 1
+    assert second["disagg_weight_sync_seconds_sum"] > 0
+    assert second["disagg_staleness_max_seen"] <= second["disagg_max_staleness"]
+    for must_be_zero in ("disagg_dummy_served_groups_total", "disagg_trained_beyond_staleness_samples_total",
+                         "disagg_prompts_lost", "disagg_engine_deaths_total"):
+        assert second[must_be_zero] == 0, must_be_zero
+    engine_ids = [e.engine_id for e in st2.engines]
+    assert sum(second[f"disagg_engine_tokens_per_second,engine_id={i}"] for i in engine_ids) > 0
+    for e in st2.engines:
+        assert second[f"disagg_engine_state,disagg_engine_state={e.state.value},engine_id={e.engine_id}"] == 1
+
+    # Each engine's own vLLM /metrics, at the address ctl status lists: vLLM's engine metrics, counting tokens.
+    for e in shown["engines"]:
+        assert e["vllm_metrics_url"] == e["address"] + "/metrics"
+        vllm = _scrape(e["vllm_metrics_url"])
+        generated = [v for k, v in vllm.items() if k.startswith("vllm:generation_tokens_total")]
+        assert generated and sum(generated) > 0, sorted(k for k in vllm if k.startswith("vllm:"))[:20]
+
+
+def test_operating_a_live_run(live_run):
+    run_dir, proc, client = live_run.run_dir, live_run.proc, live_run.client
+    assert stat.S_IMODE(os.stat(run_dir / "control.token").st_mode) == 0o600
+    anonymous = CoordinatorClient(client.address, timeout_s=5)
+    with pytest.raises(ControlRpcError) as e:
+        anonymous.status()
+    assert e.value.code == "UNAUTHENTICATED"
+
+    # watch: steps stream in as they finish.
+    watched: list[tuple[int, dict]] = []
+    watcher = threading.Thread(target=lambda: watched.extend(client.watch_metrics(from_step=1)), daemon=True)
+    watcher.start()
+    st = client.status()
+    assert st.phase == "running" and st.total_steps == TOTAL_STEPS and st.engines[0].address.startswith("http")
+
+    # pause: in-flight groups finish, then nothing new starts and training stops for want of samples
+    # (a buffered batch may still train first). Once the driver has acted on the pause (its event;
+    # what the status shows from then on comes after its last wave): nothing generating, no batch
+    # left in the buffer, no step training or syncing.
+    client.pause_rollout("test")
+
+    def stopped() -> bool:
+        s = client.status()
+        return (any(e.kind == "rollout_paused" for e in s.events) and s.inflight_groups == 0
+                and s.training_groups == 0 and s.buffer_groups < BATCH_GROUPS)
+
+    _wait(stopped, 120, "the rollout to drain and training to stop", proc)
+    step_paused = client.status().trainer_step
+    time.sleep(3.0)
+    st = client.status()
+    assert st.trainer_step == step_paused and st.inflight_groups == 0, "trained or generated while paused"
+    with pytest.raises(ControlRpcError) as e:
+        client.pause_rollout()
+    assert e.value.code == "FAILED_PRECONDITION"
+
+    client.resume_rollout()
+    _wait(lambda: client.status().trainer_step >= step_paused + 2, 120, "steps after resume", proc)
+    assert client.set_max_staleness(2) == 2 and client.status().max_staleness == 2
+    with pytest.raises(ControlRpcError) as e:
+        client.set_max_staleness(-5)
+    assert e.value.code == "INVALID_ARGUMENT"
+
+    # checkpoint: returns once on disk; HF loads it.
+    step, version, path = client.checkpoint(timeout_s=120)
+    assert step > step_paused and version == step + 1
+    saved = json.loads((run_dir / "checkpoints" / f"step_{step:06d}" / "state.json").read_text())
+    assert saved["step"] == step and saved["policy_version"] == version and saved["data_cursor"] > 0
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    AutoModelForCausalLM.from_pretrained(path)
+    AutoTokenizer.from_pretrained(path)
+    import torch
+
+    opt = torch.load(os.path.join(path, "optimizer.pt"), weights_only=False)
+    assert opt["scheduler"]["last_epoch"] == step and opt["optimizer"]["state"]
+
+    # stop: the step in progress finishes, a final checkpoint, exit 0.
+    assert "stopping" in client.stop("end of test")
+    out, err = live_run.output()
+    assert proc.returncode == 0, err[-3000:]
+    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    last = recs[-1]["step"]
+    assert last < TOTAL_STEPS and [r["step"] for r in recs] == list(range(1, last + 1))
+    final = json.loads((run_dir / "checkpoints" / f"step_{last:06d}" / "state.json").read_text())
+    assert final["step"] == last and final["policy_version"] == recs[-1]["policy_version"]
+    assert "stopped on request (end of test)" in out + err
+    watcher.join(timeout=30)
+    assert not watcher.is_alive(), "the metrics stream did not end with the run"
+    assert [s for s, _ in watched] == list(range(1, last + 1))
+    assert watched[-1][1]["reward/mean"] == pytest.approx(recs[-1]["reward/mean"])
+
+
+def test_train_writes_metrics_and_ctl_sees_the_live_run(live_run):
+    out, err = live_run.output()
+    proc, run_dir, seen_status, table = live_run.proc, live_run.run_dir, live_run.status, live_run.table
     assert proc.returncode == 0, err[-3000:]
     assert seen_status is not None, "never saw a committed version through `disagg ctl status`"
     assert [e["engine_id"] for e in seen_status["engines"]] == [0]
@@ -80,16 +251,17 @@ def test_train_three_steps_writes_metrics_and_ctl_sees_the_live_run(user_run):
     assert out.strip().splitlines()[-1] == f"run directory: {run_dir.resolve()}"
     assert "nanobind" not in err and "leaked" not in err, err[-2000:]
     recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in recs] == [1, 2, 3]
+    last = recs[-1]["step"]
+    assert last >= 3 and [r["step"] for r in recs] == list(range(1, last + 1))
     for r in recs:
         missing = [k for k in REQUIRED_KEYS if k not in r]
         assert not missing, missing
         assert r["weight_sync/bytes"] > 0 and r["samples/trained"] > 0
-    assert [r["policy_version"] for r in recs] == [2, 3, 4]
+    assert [r["policy_version"] for r in recs] == list(range(2, last + 2))
     assert (run_dir / "reward.png").stat().st_size > 0
     assert any((run_dir / "tensorboard").iterdir())
     cfg = json.loads((run_dir / "config.json").read_text())
-    assert cfg["trainer"]["total_steps"] == 3
+    assert cfg["trainer"]["total_steps"] == TOTAL_STEPS
     assert (run_dir / ".hydra" / "config.yaml").exists()
 
 
@@ -162,17 +334,18 @@ def _user_data(tmp_path: Path) -> Path:
     return p
 
 
-def test_user_model_data_and_reward_path_train_and_generate(user_run):
-    assert user_run["proc"].returncode == 0, user_run["err"][-3000:]
-    model_dir, common, tmp_path = user_run["model_dir"], user_run["common"], user_run["tmp"]
-    recs = [json.loads(x) for x in (user_run["run_dir"] / "metrics.jsonl").read_text().splitlines()]
-    assert len(recs) == 3 and all(r["data/skipped_rows"] == 1 for r in recs)
+def test_user_model_data_and_reward_path_train_and_generate(live_run):
+    _, err = live_run.output()
+    assert live_run.proc.returncode == 0, err[-3000:]
+    model_dir, common, tmp_path = live_run.user["model_dir"], live_run.user["common"], live_run.user["tmp"]
+    recs = [json.loads(x) for x in (live_run.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(recs) >= 3 and all(r["data/skipped_rows"] == 1 for r in recs)
     assert all(r["samples/trained"] > 0 for r in recs)
 
     # Standalone engines on the real weights: greedy (temperature 0, allowed in generate), every
     # sample is the checkpoint's greedy answer, exactly as HF computes it from the same directory.
     gen_dir = tmp_path / "gen-run"
-    proc = disagg_process(["generate", *SMALL_ARGS, *common, "rollout.temperature=0", f"hydra.run.dir={gen_dir}"])
+    proc = disagg_process(["generate", *SMALL_CLI, *common, "rollout.temperature=0", f"hydra.run.dir={gen_dir}"])
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-3000:]
     rows = [json.loads(x) for x in (gen_dir / "samples.jsonl").read_text().splitlines()]

@@ -2,7 +2,7 @@
 
 The coordinator state here is the real one the driver uses; the test plays the
 driver's side by calling it directly (publishing metrics, honouring a checkpoint
-request). The same calls against a live `disagg train` run are in test_ops_live.py.
+request). The same calls against a live `disagg train` run are in test_cli.py.
 """
 
 from __future__ import annotations
