@@ -77,7 +77,7 @@ class RolloutPool:
         cfg, tp, eid = self.cfg, self.tp, self._next_id
         self._next_id += 1
         env = dict(ENGINE_ENV, VLLM_LOGGING_LEVEL=cfg.rollout.vllm_log_level,
-                   **({} if os.environ.get("XDYN") else vllm_api.engine_env(self.device, cfg.rollout.enforce_eager)))
+                   **vllm_api.engine_env(self.device, cfg.rollout.enforce_eager))
         if tp > 1:  # GPUs: vLLM's Ray executor places the TP workers on this engine's bundles
             env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
             env["VLLM_RAY_BUNDLE_INDICES"] = ",".join(str(b) for b in bundle_indices)

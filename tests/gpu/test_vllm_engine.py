@@ -10,7 +10,6 @@ engine before its first sync).
 from __future__ import annotations
 
 import dataclasses
-
 import json
 import urllib.request
 
