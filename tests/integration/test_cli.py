@@ -24,7 +24,6 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from disagg.control import ctl
 from disagg.control.auth import read_token
 from disagg.control.client import ControlRpcError, CoordinatorClient
 from disagg.metrics import REQUIRED_KEYS
@@ -68,11 +67,11 @@ class LiveRun:
         self.user = user  # model_dir, common (the user's overrides), tmp
         self._output: tuple[str, str] | None = None
 
-    def output(self, stop_reason: str = "the module's checks") -> tuple[str, str]:
+    def output(self) -> tuple[str, str]:
         if self._output is None:
             if self.proc.poll() is None:
                 try:  # a no-op where the operating test's Stop came first
-                    self.client.stop(stop_reason)
+                    self.client.stop("the module's checks")
                 except ControlRpcError:
                     pass
             self._output = self.proc.communicate(timeout=300)
@@ -120,14 +119,15 @@ def _scrape(url: str) -> dict[str, float]:
             for family in text_string_to_metric_families(text) for s in family.samples}
 
 
-def test_prometheus_endpoints_of_a_live_run(live_run, capsys):
+def test_prometheus_endpoints_of_a_live_run(live_run):
     run_dir, proc, client = live_run.run_dir, live_run.proc, live_run.client
-    assert ctl.main(["status", "--run-dir", str(run_dir), "--json"]) == 0
-    shown = json.loads(capsys.readouterr().out)
+    rc, out = _ctl(["status", "--run-dir", str(run_dir), "--json"])
+    assert rc == 0
+    shown = json.loads(out)
     url = shown["metrics_url"]
     assert url.startswith("http://127.0.0.1:") and url.endswith("/metrics")
-    assert ctl.main(["status", "--run-dir", str(run_dir)]) == 0
-    assert url in capsys.readouterr().out
+    rc, out = _ctl(["status", "--run-dir", str(run_dir)])
+    assert rc == 0 and url in out
 
     def agreeing():  # a scrape, the status, a scrape: the same versions and engine states when no step
         # finished and no sync began or ended between them (a sync flips an engine READY <-> SYNCING)
