@@ -278,6 +278,14 @@ class Job:
         each engine is told the layout's digest, and fetches the manifest only when it does not
         hold that layout yet; the engines' acks come back with their reports (``finish_sync``). Where
         the engines' receives of this version are armed (``arm_sync``), only the trainer is called."""
+        armed = self.armed
+        if armed is not None and ((armed.policy_version, armed.engine_ids, armed.epoch) != (
+                policy_version, tuple(self.rollout.engine_ids), self.transport_epoch)
+                or (armed.pushes and from_snapshot) or _any_done(armed.refs + armed.pushes)):
+            # armed for another version, other engines or the live weights, or a party ended (failed) meanwhile
+            # (checked before the announce: whether the arming holds is no part of this version's sync)
+            self.disarm()
+            armed = None
         t0, wall0 = time.perf_counter(), time.time()
         if self._manifest is None:
             self._manifest = self.trainer.manifest(policy_version)
@@ -287,13 +295,6 @@ class Job:
         except BaseException:
             self.disarm()
             raise
-        armed = self.armed
-        if armed is not None and ((armed.policy_version, armed.engine_ids, armed.epoch) != (
-                policy_version, tuple(self.rollout.engine_ids), self.transport_epoch) or _any_done(armed.refs)
-                or (armed.pushes and (from_snapshot or _any_done(armed.pushes)))):
-            # armed for another version, other engines or the live weights, or a party ended (failed) meanwhile
-            self.disarm()
-            armed = None
         self.armed = None
         if armed is not None and armed.pushes:  # every party waits on the group: the driver's word starts it
             from disagg.transport.sync import ARM_SEND

@@ -119,32 +119,36 @@ class TrainerPush:
         (not with ``source=gather`` over several ranks, whose gathers are collectives).
 
         ``go_timeout_s``: an armed push (``Job.arm_sync``), called while the step that makes the
-        version still trains: it sets up, then waits in the group's store for the driver's word
-        (``go_key``), at most that long, and sends the moment it comes, with no Ray call between the
-        announce and the wire. Called off instead, it calls off the engines' receives too and returns
+        version still trains: it sets up (its buckets planned, its header on the device), then waits
+        in the group's store for the driver's word (``go_key``), at most that long, and sends the
+        moment it comes, with no Ray call between the announce and the wire. Called off instead, it calls off the engines' receives too and returns
         ``cancelled``; its wait is ``go_wait_s``, not part of the push.
         """
+        from disagg.errors import SyncCancelled
         from disagg.transport.sync import ARM_SEND, arm_key, go_key, send_model
 
         m = self._layout().with_version(policy_version)
         if not from_snapshot and self._params is None:  # parameters are updated in place from here on
             self._params = dict(self.model.named_parameters())
         out: dict[str, Any] = {"rank": self.rank}
+        clock = {"t0": time.perf_counter(), "wall0": time.time()}
+        go = None
         if go_timeout_s is not None and self.group is not None:
-            t_wait = time.perf_counter()
-            try:
-                said = self.group.await_signal(go_key(arm_id), go_timeout_s, f"the driver's go for version "
-                                               f"{policy_version}")
-            except BaseException:
-                with contextlib.suppress(Exception):  # the engines need not wait out their own timeouts
-                    self.disarm(arm_id)
-                raise
-            out["go_wait_s"] = time.perf_counter() - t_wait
-            if said != ARM_SEND:
-                self.disarm(arm_id)
-                return {**out, "cancelled": said, "bytes": 0, "num_buckets": 0, "seconds": 0.0}
-        t0 = time.perf_counter()
-        wall0 = time.time()
+            def go() -> None:
+                """The driver's word, waited for once the send is set up (its buckets planned, its
+                header on the device): the wire starts right after it. Called off: nothing is sent."""
+                t_wait = time.perf_counter()
+                try:
+                    said = self.group.await_signal(go_key(arm_id), go_timeout_s, f"the driver's go for version "
+                                                   f"{policy_version}")
+                except BaseException:
+                    with contextlib.suppress(Exception):  # the engines need not wait out their own timeouts
+                        self.disarm(arm_id)
+                    raise
+                out["go_wait_s"] = time.perf_counter() - t_wait
+                if said != ARM_SEND:
+                    raise SyncCancelled(said)
+                clock.update(t0=time.perf_counter(), wall0=time.time())
 
         image = self.delta_image
         if image is not None and image.version is not None and policy_version <= image.version:
@@ -162,22 +166,27 @@ class TrainerPush:
             return send_model(self.group, self.model, m, source=self.transport_cfg.source, trainer_rank=self.rank,
                               num_trainer_ranks=self.world_size, num_buffers=self.transport_cfg.num_buffers,
                               verify=self.transport_cfg.verify, sender=self.sender, params=tensors, image=image,
-                              dense=dense, estimate=estimate)
+                              dense=dense, estimate=estimate, go=go)
 
         if arm_id and go_timeout_s is None and self.group is not None:
             # (an armed push's go woke the engines too: Job._go sets both words)
             self.group.signal(arm_key(arm_id), ARM_SEND)  # the header follows at once
-        if from_snapshot:
-            stats = self._send_snapshot(policy_version, send)
-            out["snapshot"] = True
-        else:
-            if self.device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(self.device)
-                base = torch.cuda.memory_allocated(self.device)
-            stats = send(self._params)
-            if self.device.type == "cuda":
-                out["peak_extra_bytes"] = torch.cuda.max_memory_allocated(self.device) - base
-        out.update(seconds=time.perf_counter() - t0, bytes=0, num_buckets=0)
+        try:
+            if from_snapshot:
+                stats = self._send_snapshot(policy_version, send)
+                out["snapshot"] = True
+            else:
+                if self.device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(self.device)
+                    base = torch.cuda.memory_allocated(self.device)
+                stats = send(self._params)
+                if self.device.type == "cuda":
+                    out["peak_extra_bytes"] = torch.cuda.max_memory_allocated(self.device) - base
+        except SyncCancelled as e:  # the driver's word was to call it off: the engines' receives too
+            self._next_kind = forced
+            self.disarm(arm_id)
+            return {**out, "cancelled": str(e), "bytes": 0, "num_buckets": 0, "seconds": 0.0}
+        out.update(seconds=time.perf_counter() - clock["t0"], bytes=0, num_buckets=0)
         if stats is not None and chooser is not None:
             chooser.record(stats.delta_base != 0, stats.seconds, stats.bytes / max(1, stats.dense_bytes),
                            estimate=stats.estimate)
@@ -187,8 +196,8 @@ class TrainerPush:
                        trainer_header_unix_s=stats.header_unix_s, delta_base=stats.delta_base,
                        changed_fraction=stats.changed_fraction,
                        **{f"trainer_{k}_unix_s": v for k, v in stats.stamps.items()})
-        out.update(trainer_in_unix_s=wall0, trainer_out_unix_s=time.time())
-        self._timeline.append(("push", policy_version, wall0, out["trainer_out_unix_s"]))
+        out.update(trainer_in_unix_s=clock["wall0"], trainer_out_unix_s=time.time())
+        self._timeline.append(("push", policy_version, clock["wall0"], out["trainer_out_unix_s"]))
         return out
 
     def take_snapshot(self, policy_version: int) -> dict[str, float]:

@@ -284,7 +284,7 @@ class WeightSender:
 
     @torch.no_grad()
     def send(self, manifest: Manifest, named_tensors: NamedTensors | None = None,
-             fill: BucketFill | None = None) -> SendStats:
+             fill: BucketFill | None = None, go: Callable[[], None] | None = None) -> SendStats:
         """Send every bucket of ``manifest`` in order; every receiver must be receiving.
 
         The buckets' contents come from ``named_tensors`` - a mapping name -> full
@@ -293,6 +293,10 @@ class WeightSender:
         it is given (e.g. gathering FSDP shards straight into it). Raises
         ``ValueError`` for a tensor missing or of the wrong shape (receivers then
         time out), and ``TransportError`` when a broadcast fails.
+
+        ``go`` (an armed push): called once the send is set up (its packing planned, the header on
+        the device) and before any value is read; the header goes out the moment it returns, and
+        ``seconds`` count from then. It may raise to call the send off with nothing on the wire.
         """
         if (named_tensors is None) == (fill is None):
             raise ValueError("WeightSender.send needs exactly one of named_tensors and fill")
@@ -301,6 +305,9 @@ class WeightSender:
         stamps["planned"] = time.time()
         header = ints_on(header_for(manifest), self.group.device)
         stamps["header_copied"] = time.time()
+        if go is not None:
+            go()
+            t0 = time.perf_counter()
         # Not waited for here: the buckets queue behind it on the wire (ops complete in order).
         finished: list = [self.group.broadcast_async(header, self.src, count_bytes=False)]
         header_unix_s = time.time()
@@ -339,7 +346,8 @@ class WeightSender:
 
     @torch.no_grad()
     def send_delta(self, manifest: Manifest, image: DeltaImage, named_tensors: NamedTensors | None = None,
-                   fill: BucketFill | None = None, dense: bool = False, estimate: bool = False) -> SendStats:
+                   fill: BucketFill | None = None, dense: bool = False, estimate: bool = False,
+                   go: Callable[[], None] | None = None) -> SendStats:
         """Send ``manifest``'s version as the changes from the version ``image`` holds; every receiver
         must be in ``receive_delta`` with its own image. Dense where ``image`` holds no version, or
         with ``dense`` (``transport.delta=auto`` finding dense faster); the image then follows anyway.
@@ -352,16 +360,20 @@ class WeightSender:
         each is followed by the checksum of the whole new bucket. A failed send leaves the image
         holding no version. With ``estimate``, a dense sync against an image that holds a version
         first times encoding its first bucket as a delta (``delta.estimate``; not counted in its
-        ``seconds``), for ``transport.delta=auto``. Sources and errors as in ``send``."""
+        ``seconds``), for ``transport.delta=auto``. Sources, errors and ``go`` as in ``send`` (here
+        ``go`` comes before the packing, as a delta's header needs its buckets compared first)."""
         if (named_tensors is None) == (fill is None):
             raise ValueError("WeightSender.send_delta needs exactly one of named_tensors and fill")
         t0, stamps = time.perf_counter(), {"send": time.time()}
         group, src = self.group, self.src
         bufs = image.buckets(manifest)  # a new layout holds no version
-        held = image.version
-        base, image.version = None if dense else held, None
         pack = self._packer(manifest, named_tensors, fill)
         stamps["planned"] = time.time()  # (a delta's comparing comes after: encode_s)
+        if go is not None:
+            go()
+            t0 = time.perf_counter()
+        held = image.version
+        base, image.version = None if dense else held, None
         guess, guess_s = None, 0.0
         if base is None:
             deltas = [BucketDelta(Form.DENSE, p.numel, p.numel, None) for p in manifest.buckets]

@@ -89,7 +89,8 @@ def _local(p: torch.Tensor) -> torch.Tensor:
 def send_model(group: TransportGroup | None, model: torch.nn.Module, full: Manifest, *, source: str,
                trainer_rank: int, num_trainer_ranks: int, num_buffers: int = 2, verify: bool = False,
                sender: WeightSender | None = None, params: Mapping[str, torch.Tensor] | None = None,
-               image: DeltaImage | None = None, dense: bool = False, estimate: bool = False) -> SendStats | None:
+               image: DeltaImage | None = None, dense: bool = False, estimate: bool = False,
+               go: Callable[[], None] | None = None) -> SendStats | None:
     """Send ``model``'s parameters as ``full.policy_version``; call on every trainer rank.
 
     ``group`` is this rank's source group (None for non-zero ranks in gather mode).
@@ -97,8 +98,10 @@ def send_model(group: TransportGroup | None, model: torch.nn.Module, full: Manif
     often (walking the module tree costs about a millisecond per sync); the
     parameters must then be updated in place, as optimizers and ``load_state_dict``
     do. ``image`` (``transport.delta``): this rank's image of what its group's receivers hold; the
-    send is then ``WeightSender.send_delta`` (``dense``: a dense one that keeps the image). Returns
-    the send statistics on ranks that sent, None on ranks that only gathered.
+    send is then ``WeightSender.send_delta`` (``dense``: a dense one that keeps the image). ``go``:
+    an armed push's wait for the driver's word, once the send is set up (``WeightSender.send``;
+    not with gathers over several ranks, whose collectives cannot wait). Returns the send
+    statistics on ranks that sent, None on ranks that only gathered.
     """
     params = dict(model.named_parameters()) if params is None else params
     device = next(iter(params.values())).device  # buckets are packed there (WeightSender)
@@ -106,12 +109,14 @@ def send_model(group: TransportGroup | None, model: torch.nn.Module, full: Manif
     def send(manifest: Manifest, tensors=None, fill=None) -> SendStats:
         s = sender or WeightSender(group, 0, num_buffers, verify, device=device)
         if image is None:
-            return s.send(manifest, tensors, fill)
-        return s.send_delta(manifest, image, tensors, fill, dense=dense, estimate=estimate)
+            return s.send(manifest, tensors, fill, go=go)
+        return s.send_delta(manifest, image, tensors, fill, dense=dense, estimate=estimate, go=go)
 
     if source == "gather":
         if num_trainer_ranks == 1:  # nothing to gather: the parameters themselves (zero-copy when flat)
             return send(full, params)
+        if go is not None:
+            raise ValueError(f"an armed push cannot gather over {num_trainer_ranks} trainer ranks (source=gather)")
         gatherer = ShardGatherer(params, full)
         if trainer_rank != 0:
             # Take part in every gather, in the same order as rank 0, into scratch buffers

@@ -261,7 +261,8 @@ def test_an_armed_receive_waits_for_the_trainer_and_a_called_off_one_loads_nothi
     assert sync.engine_phases["armed_wait_s"] > 1.0 > sync.seconds  # the wait came before the announce
     pushed = ray.get(pushes[0], timeout=10)
     assert pushed["go_wait_s"] > 1.0 > pushed["seconds"] and pushed["bytes"] == sync.bytes > 0
-    assert sync.timeline["trainer_in"] >= 0  # its push started after the announce, at the word
+    assert sync.timeline["trainer_in"] >= 0  # its push started after the announce, at the word,
+    assert sync.timeline["trainer_header_copied"] < 0  # set up (buckets planned, header on the device) before it
     _, vllm_ids, hf, vlp, hflp = _vllm_vs_hf(job, tok, "armed")
     assert vllm_ids == hf
     for a, b in zip(vlp, hflp):

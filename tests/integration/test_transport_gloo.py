@@ -144,20 +144,46 @@ def _kill_receiver(rank: int, world: int, port: int) -> dict:
 
 
 def _armed(rank: int, world: int, port: int) -> dict:
-    """Armed receives (the engines' wait in transport.arm): woken by the sender's word, or by the
-    driver's words to every party at once (``StoreSignals``, a client of the store that is no member
-    of the group), called off by it, and ended by its death (it hosts the store) well before their
-    timeout."""
+    """Armed receives (the engines' wait in transport.arm): woken by the sender's word; by an armed
+    push's (``send(go=...)``: the send set up before its go, the wire right after it; called off in
+    its go with nothing on the wire); by the driver's words to every party at once
+    (``StoreSignals``, a client of the store that is no member of the group), called off by it, and
+    ended by its death (it hosts the store) well before their timeout."""
+    import json
+
     from disagg.errors import SyncCancelled
     from disagg.transport.group import StoreSignals
     from disagg.transport.sync import ARM_CANCEL, ARM_SEND, arm_key, armed_go, go_key
 
     group = _group(rank, world, port)
     w = _weights(5)
+    w6 = _weights(6)
+    m = build_manifest(w.items(), BUCKET_BYTES, policy_version=5)
     if rank == 0:
         time.sleep(1.0)  # the receivers wait on the group meanwhile
         group.signal(arm_key(1), ARM_SEND)
-        WeightSender(group).send(build_manifest(w.items(), BUCKET_BYTES, policy_version=5), w)
+        sender = WeightSender(group)
+        sender.send(m, w)
+        went: dict = {}
+
+        def go() -> None:  # an armed push's go: the driver's word, a second after the push set up
+            time.sleep(1.0)
+            went["unix_s"] = time.time()
+            group.signal(arm_key(11), ARM_SEND)
+
+        def off() -> None:
+            raise SyncCancelled("the driver called it off")
+
+        stats = sender.send(m.with_version(6), w6, go=go)
+        facts = {"set_up_before_go": [stats.stamps["planned"] < went["unix_s"],
+                                      stats.stamps["header_copied"] < went["unix_s"]],
+                 "header_after_go": stats.header_unix_s >= went["unix_s"], "send_s": stats.seconds}
+        try:
+            sender.send(m.with_version(7), w, go=off)
+        except SyncCancelled as e:
+            facts["off"] = str(e)
+        group.signal(arm_key(12), ARM_CANCEL)
+        group.signal("facts", json.dumps(facts))  # this rank ends by dying: its receiver reports them
         driver = StoreSignals([(HOST, port, "weights")], timeout_s=TIMEOUT_S)
         time.sleep(0.5)
         assert not driver.signal({go_key(2): ARM_CANCEL, arm_key(2): ARM_CANCEL})
@@ -171,6 +197,16 @@ def _armed(rank: int, world: int, port: int) -> dict:
     receive_weights(group, manifest, load_fn, go=armed_go(1, 30.0, "armed receive 1"))
     out: dict = {"waited_s": time.monotonic() - t0,
                  "equal": all(torch.equal(net.state_dict()[k], v) for k, v in w.items())}
+    t0 = time.monotonic()
+    receive_weights(group, manifest.with_version(6), load_fn, go=armed_go(11, 30.0, "armed receive 11"))
+    out.update(push_waited_s=time.monotonic() - t0,
+               push_equal=all(torch.equal(net.state_dict()[k], v) for k, v in w6.items()))
+    try:
+        receive_weights(group, manifest.with_version(7), load_fn, go=armed_go(12, 30.0, "armed receive 12"))
+    except SyncCancelled as e:
+        out["push_off"] = str(e)
+    out["push_off_unchanged"] = all(torch.equal(net.state_dict()[k], v) for k, v in w6.items())
+    out["facts"] = json.loads(group.await_signal("facts", 30.0, "the sender's facts"))
     before = {k: v.clone() for k, v in net.state_dict().items()}
     try:
         receive_weights(group, manifest.with_version(6), load_fn, go=armed_go(2, 30.0, "armed receive 2"))
@@ -277,5 +313,13 @@ def test_an_armed_receive_waits_for_the_senders_word_is_called_off_by_it_and_end
     rx = reports[1]
     assert rx["ok"], rx
     assert rx["equal"] and rx["waited_s"] >= 0.9  # woken by the word, not before it
+    # an armed push: set up before its go, the header right after it, the wait not in its seconds
+    facts = rx["facts"]
+    assert rx["push_equal"] and rx["push_waited_s"] >= 0.9, rx
+    assert facts["set_up_before_go"] == [True, True] and facts["header_after_go"], facts
+    assert facts["send_s"] < 0.9, facts
+    # called off in its go: nothing on the wire, the receiver called off with its weights unchanged
+    assert facts["off"] == "the driver called it off" and "called off by the sender" in rx["push_off"]
+    assert rx["push_off_unchanged"]
     assert "called off by the sender" in rx["cancelled"] and rx["unchanged"]
     assert "unreachable" in rx["orphaned"] and rx["orphaned_s"] < 15  # not the 30 s timeout
