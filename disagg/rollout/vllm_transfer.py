@@ -19,7 +19,8 @@ same unpacking as every other receiver - and loads in one of two ways
   are the ones the kernels read. ``auto`` picks it there. The first sync of a layout
   calls ``model.load_weights`` and learns from it where each received tensor lands
   (``disagg.transport.copyplan``); later syncs replay that as one fused copy per
-  bucket, straight from the receive buffer, while the next bucket is on the wire.
+  bucket, straight from the receive buffer, while the next bucket is on the wire (a
+  tensor split over buckets part by part as its buckets arrive, never assembled).
 
 A sync is one call into the worker (``DisaggWorkerExtension.disagg_sync``: start,
 update and finish, returning the receive's figures), and the manifest crosses into
@@ -43,6 +44,7 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTr
 
 from disagg.errors import ChecksumError, DeltaRefused, SyncCancelled
 from disagg.rollout import vllm_api
+from disagg.transport.buckets import PartLoader
 from disagg.transport.copyplan import CopyPlan, Recorded, learn
 from disagg.transport.delta import DeltaImage
 from disagg.transport.group import create_group, timed_raw_broadcasts
@@ -180,6 +182,13 @@ class DisaggWeightTransferEngine(WeightTransferEngine[DisaggInitInfo, DisaggUpda
                             "copies to replay: %s", why)
                 self._learning, self._plans[key], self._plan_note = None, None, "loader"
 
+    def _load_part(self, name: str, part: torch.Tensor, offset: int, last: bool) -> None:
+        """A part of a tensor split over buckets, copied where the replayed plan puts it (direct)."""
+        t0 = time.perf_counter()
+        self._plans[self._plan_key].apply_part(name, part, offset, last)
+        self._times["load_s"] = self._times.get("load_s", 0.0) + time.perf_counter() - t0
+        self._times["num_parts"] = self._times.get("num_parts", 0) + 1
+
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # The base class ends with torch.accelerator.synchronize(), which raises on
         # a machine with no accelerator; our receive synchronises the stream itself.
@@ -224,12 +233,18 @@ class DisaggWeightTransferEngine(WeightTransferEngine[DisaggInitInfo, DisaggUpda
                 finally:  # the wait before the announce: not part of the sync's time
                     self._times["armed_wait_s"] = max(self._times.get("armed_wait_s", 0.0), time.perf_counter() - t)
                     self._times["armed_go_unix_s"] = time.time()  # the sync's part starts here
+        # A replayed plan copies each part of a tensor split over buckets as it arrives: no tensor
+        # of up to a gigabyte (a 7B vocabulary) assembled on the engine's GPU first, and one copy less.
+        plan = self._plans.get(self._plan_key) if self.load_mode == "direct" else None
+        parts = (PartLoader(plan.part_names, self._load_part)
+                 if plan is not None and not self.info.verify and self.images is None else None)
         try:
             # A delta loads every tensor where vLLM's layerwise reload needs whole layers, and where a
             # copy plan is being learned (it must see every tensor); direct loads replay only what changed.
             stats = receive_model(self.groups, manifest, self._load, device=self.device, source=self.info.source,
                                   num_buffers=self.info.num_buffers, verify=self.info.verify, go=go,
-                                  images=self.images, load_unchanged=self.load_mode != "direct" or learning)
+                                  images=self.images, load_unchanged=self.load_mode != "direct" or learning,
+                                  parts=parts)
         except SyncCancelled as e:  # before any byte moved: the model is untouched
             self._learning = None
             self.last_stats["cancelled"] = str(e)

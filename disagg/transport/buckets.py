@@ -11,7 +11,8 @@ work, tested on CPU, and the same code runs on GPU buffers.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import torch
 
@@ -190,6 +191,16 @@ def _spec_index(manifest: Manifest) -> dict[str, TensorSpec]:
     return index
 
 
+@dataclass(frozen=True)
+class PartLoader:
+    """Takes the parts of the tensors ``names`` that are split over buckets, one at a time:
+    ``load(name, part, element offset in the tensor, last part)``, where ``part`` is a 1-D view of
+    a receive buffer, valid until the load returns (stream-ordered on GPUs)."""
+
+    names: frozenset[str]
+    load: Callable[[str, torch.Tensor, int, bool], None]
+
+
 class Reassembler:
     """Turns received buckets back into the manifest's named tensors.
 
@@ -198,13 +209,18 @@ class Reassembler:
     bucket's buffer (no copy): it is valid only until the buffer is reused, so the
     caller must load it before receiving the next bucket into the same buffer. A
     tensor split over several buckets is assembled in a fresh tensor and returned
-    with its last part. Zero-element tensors occupy no bucket; they are returned
-    with the first bucket fed, or by ``finish`` when the manifest has no buckets.
+    with its last part, unless ``parts`` takes it: then each part goes to
+    ``parts.load`` as it arrives (a view of the buffer, with its element offset in
+    the tensor) and the tensor is never assembled. Zero-element tensors occupy no
+    bucket; they are returned with the first bucket fed, or by ``finish`` when the
+    manifest has no buckets.
     """
 
-    def __init__(self, manifest: Manifest, device: torch.device | None = None) -> None:
+    def __init__(self, manifest: Manifest, device: torch.device | None = None,
+                 parts: PartLoader | None = None) -> None:
         self._manifest = manifest
         self._device = device
+        self._parts = parts
         self._specs: dict[str, TensorSpec] = _spec_index(manifest)
         self._empty = [t for t in manifest.tensors if t.numel == 0]
         self._partial: dict[str, torch.Tensor] = {}
@@ -232,6 +248,14 @@ class Reassembler:
             if e.numel == spec.numel:
                 completed.append((e.name, part.view(spec.shape)))
                 self._done.add(e.name)
+                continue
+            if self._parts is not None and e.name in self._parts.names:
+                self._received[e.name] = self._received.get(e.name, 0) + e.numel
+                last = self._received[e.name] == spec.numel
+                self._parts.load(e.name, part, e.tensor_offset, last)
+                if last:
+                    del self._received[e.name]
+                    self._done.add(e.name)
                 continue
             whole = self._partial.get(e.name)
             if whole is None:

@@ -23,6 +23,7 @@ plan, and the caller keeps calling the loader. This module never imports vLLM or
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -74,6 +75,27 @@ class CopyPlan:
     def num_copies(self) -> int:
         return sum(len(c) for c in self.copies.values())
 
+    @functools.cached_property
+    def part_names(self) -> frozenset[str]:
+        """The tensors whose every copy moves one run of consecutive elements into a contiguous view
+        of a parameter (whole tensors, q / k / v into fused qkv, a vocabulary into a padded
+        embedding): those can be copied a part at a time as they arrive (``apply_part``), so a
+        tensor split over buckets is never assembled first."""
+        return frozenset(name for name, copies in self.copies.items() if all(map(_one_run, copies)))
+
+    def apply_part(self, name: str, part: torch.Tensor, offset: int, last: bool) -> None:
+        """Copy elements ``[offset, offset + part.numel())`` of the received tensor ``name`` (``part``,
+        1-D) where the loader put them; its fills after the ``last`` part. Only for ``part_names``.""" 
+        lo, hi = offset, offset + part.numel()
+        with torch.no_grad():
+            for c in self.copies[name]:
+                a, b = max(lo, c.offset), min(hi, c.offset + c.dst.numel())
+                if a < b:
+                    c.dst.view(-1)[a - c.offset : b - c.offset].copy_(part[a - lo : b - lo])
+            if last:
+                for dst, value in self.fills.get(name, ()):
+                    dst.fill_(value)
+
     def apply(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
         """Copy each received tensor where the loader put it: one fused call for all of them.
         Raises ``KeyError`` for a name the plan never saw (the caller learns again)."""
@@ -96,6 +118,18 @@ class CopyPlan:
                 for name, _ in tensors:
                     for dst, value in self.fills.get(name, ()):
                         dst.fill_(value)
+
+
+def _one_run(copy: PlannedCopy) -> bool:
+    """Whether ``copy`` reads consecutive elements (row-major) into a contiguous destination."""
+    if not copy.dst.is_contiguous():
+        return False
+    expected = 1
+    for size, stride in reversed(list(zip(copy.size, copy.stride))):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 class _Recorder(TorchDispatchMode):

@@ -19,7 +19,7 @@ import torch
 
 from disagg import faults
 from disagg.errors import ChecksumError, DeltaRefused, TransportError
-from disagg.transport.buckets import Reassembler, bucket_buffers, bucket_checksum
+from disagg.transport.buckets import PartLoader, Reassembler, bucket_buffers, bucket_checksum
 from disagg.transport.delta import DeltaImage, Form, apply, payload_bytes
 from disagg.transport.group import TransportGroup
 from disagg.transport.manifest import Manifest
@@ -49,6 +49,7 @@ def receive_weights(
     num_buffers: int = 2,
     verify: bool = False,
     go: Callable[[TransportGroup], None] | None = None,
+    parts: PartLoader | None = None,
 ) -> ReceiveStats:
     """Receive one policy version from rank ``src`` and hand it to ``load_fn``.
 
@@ -67,12 +68,18 @@ def receive_weights(
     ``go`` (an armed receive): called with the group once everything is ready and before
     anything is posted; it returns when the sender is about to send, or raises (e.g.
     ``SyncCancelled``) with the group still in step.
+
+    ``parts``: the tensors split over buckets it names go to it a part at a time, as their buckets
+    arrive, instead of being assembled and handed to ``load_fn`` (not with ``verify``, which
+    loads nothing before every bucket arrived intact).
     """
     if group.rank == src:
         raise ValueError(f"receive_weights runs on receivers; rank {src} is the sender")
     if num_buffers < 1:
         raise ValueError(f"transport.num_buffers must be >= 1, got {num_buffers}")
-    recv = _Receive(group, manifest, load_fn, device, src, num_buffers, verify)
+    if verify and parts is not None:
+        raise ValueError("receive_weights: parts are loaded as they arrive, which verify forbids")
+    recv = _Receive(group, manifest, load_fn, device, src, num_buffers, verify, parts)
     if go is not None:
         go(group)
     recv.start()
@@ -85,11 +92,11 @@ class _Receive:
     """One receive of ``receive_weights``: its buffers, the buckets on the wire, what was taken."""
 
     def __init__(self, group: TransportGroup, manifest: Manifest, load_fn: LoadFn, device: torch.device,
-                 src: int, num_buffers: int, verify: bool) -> None:
+                 src: int, num_buffers: int, verify: bool, parts: PartLoader | None = None) -> None:
         self.group, self.manifest, self.load_fn, self.device = group, manifest, load_fn, device
         self.src, self.num_buffers, self.verify = src, num_buffers, verify
         self.buckets = manifest.buckets
-        self.reassembler = Reassembler(manifest, device=device)
+        self.reassembler = Reassembler(manifest, device=device, parts=parts)
         self.slots = _slots(group, manifest, device, num_buffers)
         self.pending: dict[int, tuple[list, torch.Tensor, torch.Tensor | None]] = {}
         self.staged: list[tuple[str, torch.Tensor]] = []  # verify: every tensor, until all checksums passed

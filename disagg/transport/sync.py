@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from disagg.errors import TransportError
-from disagg.transport.buckets import bucket_buffers, torch_dtype
+from disagg.transport.buckets import PartLoader, bucket_buffers, torch_dtype
 from disagg.transport.delta import DeltaImage
 from disagg.transport.group import TransportGroup
 from disagg.transport.manifest import Manifest, TensorSpec, plan_buckets
@@ -306,19 +306,22 @@ class ShardAssembler:
 def receive_model(groups: list[TransportGroup], full: Manifest, load_fn: LoadFn, *, device: torch.device,
                   source: str, num_buffers: int = 2, verify: bool = False,
                   go: Callable[[TransportGroup], None] | None = None, images: list[DeltaImage] | None = None,
-                  load_unchanged: bool = False) -> ReceiveStats:
+                  load_unchanged: bool = False, parts: PartLoader | None = None) -> ReceiveStats:
     """Receive ``full.policy_version`` from one group (gather) or one group per trainer rank (shards);
     ``go``: an armed receive's wait for each group's sender (``receive_weights``). ``images``
     (``transport.delta``): one per group, received with ``receive_delta``; ``load_unchanged`` then
     loads every tensor, not only those that changed (a loader that needs whole layers; the shards
-    of one tensor come from every group, so ``shards`` always does)."""
+    of one tensor come from every group, so ``shards`` always does). ``parts``: a dense receive from
+    one group hands the tensors split over buckets it names to it a part at a time
+    (``receive_weights``); ignored where the receive is a delta or comes from several groups."""
     t0 = time.perf_counter()
     if images is not None and len(images) != len(groups):
         raise ValueError(f"{len(images)} delta images for {len(groups)} transport groups")
 
     def receive(r: int, manifest: Manifest, load: LoadFn) -> ReceiveStats:
         if images is None:
-            return receive_weights(groups[r], manifest, load, device, 0, num_buffers, verify, go)
+            return receive_weights(groups[r], manifest, load, device, 0, num_buffers, verify, go,
+                                   parts=parts if source == "gather" else None)
         return receive_delta(groups[r], manifest, load, images[r], device, 0, verify, go,
                              load_unchanged=load_unchanged or source == "shards")
 

@@ -65,7 +65,8 @@ def job(ray_session, model_cache, tmp_path_factory):
     # A large learning rate: one step visibly moves every log-prob.
     j = start_job(model_cache, tmp_path_factory.mktemp("gpu-run"), [
         "trainer.lr=3e-2", "rollout.max_model_len=2048", "model.tiny.max_position_embeddings=2048",
-        "rollout.max_num_seqs=128", "rollout.in_flight_at_sync=resubmit"])  # keep: test_keep_counts.py
+        "rollout.max_num_seqs=128", "rollout.in_flight_at_sync=resubmit",  # keep: test_keep_counts.py
+        "transport.bucket_bytes=49152"])  # smaller than an MLP weight: syncs carry tensors split over buckets
     yield j
     j.shutdown()
 
@@ -339,6 +340,7 @@ def test_direct_syncs_leave_every_vllm_parameter_the_bf16_cast_of_the_trainers_b
         stats = ray.get(engine.get_transfer_stats.remote(), timeout=60)
         plans.append(stats["copy_plan"])
     assert stats["load_mode"] == "direct" and plans[-1] == "replayed", (stats, plans)
+    assert stats.get("num_parts", 0) > 0, stats  # the split tensors were copied part by part, never assembled
     want = _as_vllm_parameters(ray.get(job.trainer.rank0.full_state_dict.remote(), timeout=120))
     got = ray.get(engine.param_checksums.remote(), timeout=120)
     assert set(got) == set(want), (sorted(set(got) ^ set(want)))

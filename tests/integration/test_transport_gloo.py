@@ -221,6 +221,35 @@ def _armed(rank: int, world: int, port: int) -> dict:
     return out
 
 
+def _parts(rank: int, world: int, port: int) -> dict:
+    """A receive (``receive_model``, gather) that takes the tensor split over buckets part by part."""
+    from disagg.transport.buckets import PartLoader
+    from disagg.transport.sync import receive_model
+
+    group = _group(rank, world, port)
+    w = _weights(9)
+    manifest = build_manifest(w.items(), BUCKET_BYTES, policy_version=9)
+    if rank == 0:
+        WeightSender(group).send(manifest, w)
+        return {}
+    net = _zeroed_net()
+    whole = TorchModelReceiver.load_into_module(net)
+    loaded, parts = [], []
+
+    def load(items):
+        loaded.extend(name for name, _ in items)
+        whole(items)
+
+    def part(name: str, piece: torch.Tensor, offset: int, last: bool) -> None:
+        parts.append((offset, piece.numel(), last))
+        net.big.data.view(-1)[offset : offset + piece.numel()].copy_(piece)
+
+    receive_model([group], manifest, load, device=torch.device("cpu"), source="gather",
+                  parts=PartLoader(frozenset({"big"}), part))
+    return {"parts": parts, "loaded": loaded, "numel": net.big.numel(),
+            "equal": {k: torch.equal(net.state_dict()[k], v) for k, v in w.items()}}
+
+
 def _child(target, rank: int, world: int, port: int, results, started) -> None:
     # Every process has started before any joins: spawned processes import torch seconds apart on a
     # busy machine, and the short timeouts here time the rendezvous, not the start-up.
@@ -274,6 +303,17 @@ def test_sync_mixed_dtypes_to_two_receivers() -> None:
         assert rx["num_tensors"] == [rx["num_entries"]] * 2
         for per_version in rx["equal"]:
             assert per_version and all(per_version.values()), per_version
+
+
+def test_a_tensor_split_over_buckets_can_be_received_part_by_part() -> None:
+    reports, codes = _spawn(_parts, world=2, ranks=[0, 1])
+    rx = reports[1]
+    assert rx["ok"], rx
+    assert all(rx["equal"].values()), rx["equal"]
+    assert "big" not in rx["loaded"] and len(rx["loaded"]) == len(rx["equal"]) - 1  # never assembled
+    parts = rx["parts"]
+    assert len(parts) >= 4 and sum(n for _, n, _ in parts) == rx["numel"]  # 3.5 buckets
+    assert [last for *_, last in parts] == [False] * (len(parts) - 1) + [True]
 
 
 def test_receiver_with_mismatching_manifest_refuses() -> None:

@@ -146,6 +146,35 @@ def test_single_bucket_tensors_are_views_and_split_tensors_are_fresh() -> None:
     reasm.finish()
 
 
+def test_split_tensors_a_part_loader_takes_arrive_as_parts_never_assembled() -> None:
+    """With ``parts``, a split tensor it names goes to it part by part (views of each bucket's
+    buffer, with their element offsets, the last one flagged); the rest are emitted as before."""
+    from disagg.transport.buckets import PartLoader
+
+    tensors = {"small": torch.arange(6.0).reshape(2, 3), "big": torch.arange(40.0), "other": torch.arange(30.0) + 100}
+    manifest = build_manifest(tensors.items(), bucket_bytes=64, policy_version=0)
+    got: list[tuple[str, int, bool, bool]] = []
+    into = torch.zeros(40)
+
+    def load(name: str, part: torch.Tensor, offset: int, last: bool) -> None:
+        got.append((name, offset, last, part.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()))
+        into[offset : offset + part.numel()] = part
+
+    reasm = Reassembler(manifest, parts=PartLoader(frozenset({"big"}), load))
+    emitted = {}
+    for plan in manifest.buckets:
+        buf = pack_bucket(plan, tensors)
+        for name, t in reasm.feed(plan, buf):
+            emitted[name] = t.clone()
+    reasm.finish()  # every tensor complete, the parts' too
+    assert set(emitted) == {"small", "other"} and torch.equal(emitted["other"], tensors["other"])
+    assert torch.equal(into, tensors["big"])
+    assert [g[0] for g in got] == ["big"] * len(got) and len(got) >= 3  # split: 160 bytes in 64-byte buckets
+    assert [g[1] for g in got] == sorted(g[1] for g in got) and got[0][1] == 0
+    assert [g[2] for g in got] == [False] * (len(got) - 1) + [True]
+    assert all(g[3] for g in got)  # views of the bucket's buffer, not copies
+
+
 def test_pack_casts_to_the_plan_dtype() -> None:
     src = {"w": torch.randn(5, 7, dtype=torch.float32), "steps": torch.arange(4)}
     manifest = build_manifest(src.items(), bucket_bytes=1 << 10, policy_version=0, dtype_override="bfloat16")

@@ -111,6 +111,32 @@ def test_a_bucket_at_a_time_and_the_cached_views_follow_the_buffer() -> None:
     assert torch.equal(m.down, _loaded(6).down)
 
 
+@pytest.mark.parametrize("tp_rank", [None, 1])
+def test_a_tensor_split_over_buckets_is_copied_part_by_part_where_the_loader_put_it(tp_rank) -> None:
+    """``apply_part``: the parts of a received tensor, as a receiver gets them from consecutive
+    buckets (uneven, a copy's boundary inside a part), land bit for bit where the whole replay
+    puts them; the embedding's padding is zeroed after its last part. A row-parallel shard (a slice
+    of dim 1: not one run of elements) is no part-by-part tensor."""
+    model = {} if tp_rank is None else {"tp": 2, "tp_rank": tp_rank}
+    m, plan = _learned(**model)
+    assert plan.part_names == set(SHAPES) - ({"down"} if tp_rank is not None else set())
+    m.embed.data.fill_(3.0)
+    for name, t in _received(4):
+        flat = t.reshape(-1)
+        if name not in plan.part_names:
+            plan.apply([(name, t)])
+            continue
+        cuts = [0, 1, max(2, flat.numel() // 3), flat.numel()]
+        for i, (a, b) in enumerate(zip(cuts, cuts[1:])):
+            last = i == len(cuts) - 2
+            plan.apply_part(name, flat[a:b], a, last)
+            if name == "embed" and not last:
+                assert (m.embed[VOCAB:] == 3.0).all()  # the fills wait for the last part
+    want = _loaded(4, **model)
+    for name, p in m.named_parameters():
+        assert torch.equal(p, getattr(want, name)), name
+
+
 def test_the_cast_into_parameters_of_another_dtype_is_replayed() -> None:
     m, plan = _learned(dtype=torch.float32)  # bf16 on the wire, float32 parameters
     plan.apply(_received(3))
