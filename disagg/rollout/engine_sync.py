@@ -75,7 +75,7 @@ class EngineSync:
                 phases[f"worker_{key}"] = float(stats[key])
         if "seconds" in stats:
             phases["worker_receive_s"] = float(stats["seconds"])
-        for key in ("worker_in", "wire_start", "worker_out"):  # the worker's own clock readings
+        for key in ("worker_in", "wire_start", "wire_end", "loaded", "worker_out"):  # the worker's own clock readings
             if f"{key}_unix_s" in stats:
                 stamps[key] = float(stats[f"{key}_unix_s"])
         stamps["engine_out"] = time.time()

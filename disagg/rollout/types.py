@@ -102,7 +102,7 @@ class SyncReport:
     stamps: dict[str, float] = field(default_factory=dict)
     """Unix clock readings of the sync's events on this engine (one host's clock: the driver places
     them on its timeline): engine_in, update_call, worker_in, wire_start (the sender's header
-    matched), worker_out, update_return, engine_out."""
+    matched), wire_end, loaded, worker_out, update_return, engine_out."""
     cancelled: str = ""  # an armed receive the trainer called off (why); nothing was loaded
 
 
@@ -117,6 +117,8 @@ TIMELINE = {  # a sync's events, in their usual order -> what happened (the late
     "trainer_header": "the trainer posted its header (the send's set-up done)",
     "wire_start": "the sender's header matched on the worker (every party on the group)",
     "trainer_out": "the trainer's push returned (its last bucket on the wire)",
+    "wire_end": "the worker's host saw its last bucket received",
+    "loaded": "the worker's loads done on its device (the stream synchronised)",
     "worker_out": "the worker left the update (bytes loaded)",
     "update_return": "the engine actor had the worker's answer",
     "engine_out": "the engine actor returned its report",

@@ -271,7 +271,8 @@ class DisaggWeightTransferEngine(WeightTransferEngine[DisaggInitInfo, DisaggUpda
                      self._plans[self._plan_key].num_copies)
         self.last_stats.update(bytes=stats.bytes, seconds=stats.seconds, num_buckets=stats.num_buckets,
                                num_tensors=stats.num_tensors, copy_plan=self._plan_note,
-                               wire_start_unix_s=stats.header_unix_s, **self._times)
+                               wire_start_unix_s=stats.header_unix_s, wire_end_unix_s=stats.wire_end_unix_s,
+                               loaded_unix_s=stats.loaded_unix_s, **self._times)
 
     def finish_weight_update(self) -> None:
         if not self._reloading:

@@ -38,6 +38,8 @@ class ReceiveStats:
     num_tensors: int  # tensors handed to load_fn
     header_s: float = 0.0  # from the start to the sender's header matched: waiting for the sender
     header_unix_s: float = 0.0  # the clock reading when it matched (where the wire starts)
+    wire_end_unix_s: float = 0.0  # the host saw the last bucket received (its ops complete)
+    loaded_unix_s: float = 0.0  # the loads done on the device (the stream synchronised)
 
 
 def receive_weights(
@@ -168,6 +170,7 @@ class _Receive:
         """Wait for every op on the host, refuse a corrupt version, load what is left; the figures."""
         for op in self.finished:  # host-side completion: timeouts, errors, byte counts
             op.wait()
+        wire_end = time.time()
         rest = self.reassembler.finish()
         self.num_tensors += len(rest)
         group, manifest, buckets = self.group, self.manifest, self.buckets
@@ -183,9 +186,11 @@ class _Receive:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         seconds = time.perf_counter() - self.t0
+        loaded = time.time()
         stats = ReceiveStats(bytes=sum(p.nbytes for p in buckets), seconds=seconds, num_buckets=len(buckets),
                              num_tensors=self.num_tensors, header_s=self.header_s,
-                             header_unix_s=time.time() - (seconds - self.header_s))
+                             header_unix_s=loaded - (seconds - self.header_s), wire_end_unix_s=wire_end,
+                             loaded_unix_s=loaded)
         log.debug("[transport:%s:%d] received policy_version=%d: %d tensors in %d buckets, %.1f MiB in %.3f s",
                   group.name, group.rank, manifest.policy_version, self.num_tensors, stats.num_buckets,
                   stats.bytes / 2**20, stats.seconds)
@@ -248,6 +253,7 @@ def receive_delta(group: TransportGroup, manifest: Manifest, load_fn: LoadFn, im
         posted.append((payload, checksum))
     for op in ops:
         op.wait()
+    wire_end = time.time()
     faults.hit("receive_bucket")
     if refused:
         raise DeltaRefused(f"group {group.name!r} rank {group.rank}: policy_version={manifest.policy_version} was "
@@ -284,8 +290,10 @@ def receive_delta(group: TransportGroup, manifest: Manifest, load_fn: LoadFn, im
     log.debug("[transport:%s:%d] received policy_version=%d against %s: %d tensors loaded, %.2f MiB in %.3f s",
               group.name, group.rank, manifest.policy_version, base or "nothing (dense)", num_tensors,
               wire / 2**20, seconds)
+    loaded = time.time()
     return ReceiveStats(bytes=wire, seconds=seconds, num_buckets=len(bufs), num_tensors=num_tensors,
-                        header_s=header_s, header_unix_s=time.time() - (seconds - header_s))
+                        header_s=header_s, header_unix_s=loaded - (seconds - header_s), wire_end_unix_s=wire_end,
+                        loaded_unix_s=loaded)
 
 
 def _check_header(group: TransportGroup, manifest: Manifest, header: torch.Tensor) -> None:

@@ -354,7 +354,8 @@ def receive_model(groups: list[TransportGroup], full: Manifest, load_fn: LoadFn,
         torch.cuda.current_stream(device).synchronize()
     return ReceiveStats(bytes=sum(s.bytes for s in stats), seconds=time.perf_counter() - t0,
                         num_buckets=sum(s.num_buckets for s in stats), num_tensors=len(full.tensors),
-                        header_s=max(s.header_s for s in stats), header_unix_s=max(s.header_unix_s for s in stats))
+                        header_s=max(s.header_s for s in stats), header_unix_s=max(s.header_unix_s for s in stats),
+                        wire_end_unix_s=max(s.wire_end_unix_s for s in stats), loaded_unix_s=time.time())
 
 
 ARM_SEND, ARM_CANCEL = "send", "cancel"

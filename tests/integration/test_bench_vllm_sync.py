@@ -93,8 +93,8 @@ def test_bench_vllm_sync_times_a_raw_broadcast_and_each_syncs_phases(tmp_path):
         assert 0 <= p["rpc_in_s"] + p["worker_receive_s"] + p["rpc_out_s"] <= p["update_s"] + 0.002, p
         # every party's events on the driver's timeline, in the order a sync makes them (one host's clock)
         t = run["timeline"]
-        order = [t[k] for k in ("engine_in", "update_call", "worker_in", "wire_start", "worker_out", "update_return",
-                                "engine_out", "done")]
+        order = [t[k] for k in ("engine_in", "update_call", "worker_in", "wire_start", "wire_end", "loaded",
+                                "worker_out", "update_return", "engine_out", "done")]
         assert order == sorted(order) and order[0] > 0, t
         assert t["trainer_in"] <= t["wire_start"] + 0.002 and t["wire_start"] < t["trainer_out"] <= t["done"], t
         assert t["trainer_in"] < t["trainer_header"] < t["trainer_out"], t  # the send's set-up, then the wire
