@@ -121,8 +121,9 @@ class TrainerPush:
         ``go_timeout_s``: an armed push (``Job.arm_sync``), called while the step that makes the
         version still trains: it sets up (its buckets planned, its header on the device), then waits
         in the group's store for the driver's word (``go_key``), at most that long, and sends the
-        moment it comes, with no Ray call between the announce and the wire. Called off instead, it calls off the engines' receives too and returns
-        ``cancelled``; its wait is ``go_wait_s``, not part of the push.
+        moment it comes, with no Ray call between the announce and the wire. Called off instead, it
+        calls off the engines' receives too and returns ``cancelled``; its wait is ``go_wait_s``, not
+        part of the push.
         """
         from disagg.errors import SyncCancelled
         from disagg.transport.sync import ARM_SEND, arm_key, go_key, send_model

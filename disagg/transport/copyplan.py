@@ -85,7 +85,7 @@ class CopyPlan:
 
     def apply_part(self, name: str, part: torch.Tensor, offset: int, last: bool) -> None:
         """Copy elements ``[offset, offset + part.numel())`` of the received tensor ``name`` (``part``,
-        1-D) where the loader put them; its fills after the ``last`` part. Only for ``part_names``.""" 
+        1-D) where the loader put them; its fills after the ``last`` part. Only for ``part_names``."""
         lo, hi = offset, offset + part.numel()
         with torch.no_grad():
             for c in self.copies[name]:

@@ -306,7 +306,7 @@ def test_sync_mixed_dtypes_to_two_receivers() -> None:
 
 
 def test_a_tensor_split_over_buckets_can_be_received_part_by_part() -> None:
-    reports, codes = _spawn(_parts, world=2, ranks=[0, 1])
+    reports, _ = _spawn(_parts, world=2, ranks=[0, 1])
     rx = reports[1]
     assert rx["ok"], rx
     assert all(rx["equal"].values()), rx["equal"]
