@@ -133,6 +133,13 @@ class TrainerPush:
             self._params = dict(self.model.named_parameters())
         out: dict[str, Any] = {"rank": self.rank}
         clock = {"t0": time.perf_counter(), "wall0": time.time()}
+        memory: dict[str, int] = {}
+
+        def mark_memory() -> None:  # what the push allocates beyond this, at its peak: peak_extra_bytes
+            if self.device.type == "cuda" and not from_snapshot:
+                torch.cuda.reset_peak_memory_stats(self.device)
+                memory["base"] = torch.cuda.memory_allocated(self.device)
+
         go = None
         if go_timeout_s is not None and self.group is not None:
             def go() -> None:
@@ -150,6 +157,7 @@ class TrainerPush:
                 if said != ARM_SEND:
                     raise SyncCancelled(said)
                 clock.update(t0=time.perf_counter(), wall0=time.time())
+                mark_memory()  # (the step that trained meanwhile is done: its activations are not the push's)
 
         image = self.delta_image
         if image is not None and image.version is not None and policy_version <= image.version:
@@ -177,12 +185,11 @@ class TrainerPush:
                 stats = self._send_snapshot(policy_version, send)
                 out["snapshot"] = True
             else:
-                if self.device.type == "cuda":
-                    torch.cuda.reset_peak_memory_stats(self.device)
-                    base = torch.cuda.memory_allocated(self.device)
+                if go is None:
+                    mark_memory()
                 stats = send(self._params)
-                if self.device.type == "cuda":
-                    out["peak_extra_bytes"] = torch.cuda.max_memory_allocated(self.device) - base
+                if "base" in memory:
+                    out["peak_extra_bytes"] = torch.cuda.max_memory_allocated(self.device) - memory["base"]
         except SyncCancelled as e:  # the driver's word was to call it off: the engines' receives too
             self._next_kind = forced
             self.disarm(arm_id)
