@@ -241,6 +241,8 @@ def long_tail(o: PipelineBenchOptions, run_dir: Path) -> dict[str, Any]:
                          # what the engines made over the whole run (the step medians' rate is the
                          # rate while a step waited, none where the stream never waits)
                          "engine_tokens_per_s": engines["tokens_generated"] / wall,
+                         # and what they sampled, finished or not: the engines' whole rate
+                         "engine_sampled_tokens_per_s": engines["vllm_generation_tokens"] / wall,
                          "dropped_stale": p.records[-1]["samples/dropped_stale"],
                          "staleness_max": max(r["policy/staleness_max"] for r in p.records),
                          "step_s_median": statistics.median(r["timing/step_s"] for r in p.records),
@@ -287,7 +289,10 @@ def keep_and_resubmit(tail: dict[str, Any]) -> tuple[str, str] | None:
 
 
 ENGINE_COUNTS = ("tokens_generated", "pauses", "resubmits", "resubmit_kv_kept_tokens", "resubmit_prefill_tokens",
-                 "counted_cuts")
+                 "counted_cuts", "vllm_generation_tokens")
+"""``tokens_generated``: the tokens of the responses the engines returned; ``vllm_generation_tokens``:
+every token vLLM sampled, also for requests still in flight or cut off when a run ends (the long
+tail's groups a stream never trained)."""
 
 
 def _engine_counts(job) -> dict[str, int]:
@@ -543,6 +548,10 @@ def render(report: dict[str, Any]) -> None:
                 table.add_row(f"  {mode}: tokens the engines made per second of the run",
                               f"{m['engine_tokens_per_s']:.0f} ({m['engines']['tokens_generated']} in "
                               f"{m['seconds']:.1f} s)", "", "")
+            if m.get("engine_sampled_tokens_per_s"):
+                table.add_row(f"  {mode}: tokens the engines sampled per second, finished or not",
+                              f"{m['engine_sampled_tokens_per_s']:.0f} ({m['engines']['vllm_generation_tokens']})",
+                              "", "")
             e = m.get("engines") or {}
             if e.get("resubmits"):
                 table.add_row(f"  {mode} resubmits at syncs (KV kept / prefilled again, tokens)",

@@ -510,9 +510,12 @@ class EngineActor(EngineSync, EnginePeers):
     async def get_stats(self) -> dict[str, Any]:
         import gc
 
+        made = vllm_api.generation_tokens() if self._engine else None
         return dict(self.stats, policy_version=self.version, address=self.address,
                     gc_frozen_objects=gc.get_freeze_count(),
-                    unfinished_requests=vllm_api.num_unfinished_requests(self._engine) if self._engine else 0)
+                    unfinished_requests=vllm_api.num_unfinished_requests(self._engine) if self._engine else 0,
+                    # vLLM's count: every token sampled, where tokens_generated counts finished responses'
+                    **({"vllm_generation_tokens": made} if made is not None else {}))
 
     async def get_address(self) -> str:
         """The OpenAI API base address (``http://host:port``; append ``/v1``), empty if not serving."""

@@ -320,6 +320,17 @@ def num_unfinished_requests(engine) -> int:
     return engine.output_processor.get_num_unfinished_requests()
 
 
+def generation_tokens() -> int | None:
+    """Every token vLLM's engines in this process sampled, finished requests or not (its Prometheus
+    counter ``vllm:generation_tokens``, fed by its stats); None where its stats are off
+    (``disable_log_stats``: no counter)."""
+    from prometheus_client import REGISTRY
+
+    samples = [s.value for metric in REGISTRY.collect() if metric.name == "vllm:generation_tokens"
+               for s in metric.samples if s.name == "vllm:generation_tokens_total"]
+    return int(sum(samples)) if samples else None
+
+
 def token_versions(request_id: str, completion, num_tokens: int) -> list[int] | None:
     """The policy version of each output token from vLLM's weight-version spans (``[start, end)``
     of output tokens sampled by the weights labelled ``version``); None where vLLM labels no tokens."""

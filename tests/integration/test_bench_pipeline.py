@@ -56,6 +56,11 @@ def test_bench_pipeline_reports_measured_ratios(tmp_path):
         engines = tail[mode]["engines"]
         assert engines["tokens_generated"] >= tail[mode]["trained_tokens"]
         assert tail[mode]["engine_tokens_per_s"] == pytest.approx(engines["tokens_generated"] / tail[mode]["seconds"])
+        # vLLM's own count of what its engine sampled: the returned responses' tokens, and any of requests
+        # still in flight when the run ended (or dropped, resubmitted or cut)
+        assert engines["vllm_generation_tokens"] >= engines["tokens_generated"], engines
+        assert tail[mode]["engine_sampled_tokens_per_s"] == pytest.approx(
+            engines["vllm_generation_tokens"] / tail[mode]["seconds"])
         if mode == "stream_resubmit":  # the same engines switched: requests in flight at a sync resubmitted
             assert tail[mode]["in_flight_at_sync"] == "resubmit"
             assert engines["resubmits"] > 0 and engines["counted_cuts"] == 0
