@@ -230,7 +230,8 @@ class Job:
             self._manifest = self.trainer.manifest(policy_version)
         self._arm_ids += 1
         refs = self.rollout.receive_weights_async(policy_version, digest=self._manifest.layout_digest(), ack=False,
-                                                  arm_id=self._arm_ids, arm_timeout_s=timeout_s)
+                                                  arm_id=self._arm_ids, arm_timeout_s=timeout_s,
+                                                  max_staleness=self.coordinator.state.max_staleness())
         pushes = (self.trainer.push_weights_async(policy_version, False, self._arm_ids, go_timeout_s=timeout_s,
                                                   last_sync_s=self._take_last_sync_s())
                   if self._signals is not None else [])
@@ -308,7 +309,8 @@ class Job:
         else:
             # The engines first: their way onto the group (the actor, then vLLM's engine core into its
             # worker) is longer than the trainer's, and the wire starts when the last party is on it.
-            receives = self.rollout.receive_weights_async(policy_version, digest=manifest.layout_digest(), ack=False)
+            receives = self.rollout.receive_weights_async(policy_version, digest=manifest.layout_digest(), ack=False,
+                                                          max_staleness=self.coordinator.state.max_staleness())
             pushes = self.trainer.push_weights_async(policy_version, from_snapshot, last_sync_s=self._take_last_sync_s())
         return PendingSync(policy_version, t0, pushes + receives, len(pushes), tuple(self.rollout.engine_ids),
                            from_snapshot=from_snapshot, wall0=wall0, armed=armed is not None)

@@ -210,6 +210,57 @@ def long_request_across_syncs(job, prompt: list[int], num_tokens: int, max_versi
     return result, states
 
 
+def a_sync_stops_what_no_step_can_train(job, prompt: list[int], num_tokens: int, limit: int = 1,
+                                        poll_s: float = 0.0) -> None:
+    """GenRequest.stale_drop on engine 0, checked: once a sync loads a version more than ``limit``
+    (the run's max_staleness) past a request's oldest token, no step can train it; the engine aborts
+    it in vLLM (its tokens stop) and answers ``dropped="stale"``, at the first such version, while a
+    request without the flag, started beside it, runs on across the same syncs to its end. Filler
+    requests keep decode steps slow enough for several syncs, as in ``long_request_across_syncs``;
+    ``poll_s`` paces the syncs (resubmit mode: a request aborted at every sync before its prefill is
+    done would make no token)."""
+    import ray
+
+    from disagg.rollout.types import GenRequest, SamplingSpec
+    from disagg.samples import TrainSample
+
+    job.coordinator.state.set_max_staleness(limit)
+    v = job.coordinator.state.latest_version() + 1
+    job.sync_weights(v, trainer_step=v)
+    engine = job.rollout.engines[0]
+    before = ray.get(engine.get_stats.remote(), timeout=60)
+    spec = SamplingSpec(max_tokens=num_tokens, n=2, ignore_eos=True)
+    doomed = engine.generate.remote([GenRequest("doomed", tuple(prompt), spec, stale_drop=True)])
+    kept = engine.generate.remote([GenRequest("kept", tuple(prompt), spec)])
+    filler = engine.generate.remote([GenRequest(f"sfill{i}", tuple(prompt), SamplingSpec(max_tokens=num_tokens, n=8,
+                                                                                          ignore_eos=True))
+                                     for i in range(12)])
+    batch = [TrainSample(prompt, [5 + i, 6, 7, 8], [-1.0] * 4, 1.0 if i % 2 else -1.0, 0.0, v) for i in range(8)]
+    first = v
+    while not ray.wait([doomed], timeout=poll_s)[0] and v < first + 10:
+        job.trainer.train_step(batch)
+        v += 1
+        job.sync_weights(v, trainer_step=v)
+    (gone,) = ray.get(doomed, timeout=300)
+    (done,) = ray.get(kept, timeout=300)
+    ray.get(filler, timeout=300)
+    after = ray.get(engine.get_stats.remote(), timeout=60)
+
+    assert gone.dropped == "stale" and gone.completions == [], gone
+    # stopped by the first version no step could train it with: limit + 1 past its oldest token
+    assert gone.max_version - gone.min_version == limit + 1, gone
+    assert first <= gone.min_version and gone.max_version <= v
+    # The request without the flag crossed the sync that stopped the other and ran to its end.
+    assert [len(c.response_ids) for c in done.completions] == [num_tokens] * 2
+    assert done.max_version >= gone.max_version, (done.max_version, gone)
+    assert after["dropped_stale_in_flight"] - before["dropped_stale_in_flight"] == 1
+    assert after["requests_cancelled"] == before["requests_cancelled"]  # a drop, not a run's end
+    # Aborted in vLLM, not just relabelled: vLLM sampled fewer tokens than the 100 full responses.
+    sampled = after["vllm_generation_tokens"] - before["vllm_generation_tokens"]
+    assert sampled < (2 + 2 + 96 - 1) * num_tokens, sampled
+    assert after["unfinished_requests"] == 0
+
+
 @contextmanager
 def next_step_held_until(job, condition, timeout_s: float = 300.0):
     """Hold the trainer's next train step (rank 0, ``hold_next_step``) until ``condition()`` holds:

@@ -289,10 +289,11 @@ def keep_and_resubmit(tail: dict[str, Any]) -> tuple[str, str] | None:
 
 
 ENGINE_COUNTS = ("tokens_generated", "pauses", "resubmits", "resubmit_kv_kept_tokens", "resubmit_prefill_tokens",
-                 "counted_cuts", "vllm_generation_tokens")
+                 "counted_cuts", "vllm_generation_tokens", "dropped_stale_in_flight")
 """``tokens_generated``: the tokens of the responses the engines returned; ``vllm_generation_tokens``:
 every token vLLM sampled, also for requests still in flight or cut off when a run ends (the long
-tail's groups a stream never trained)."""
+tail's groups a stream never trained); ``dropped_stale_in_flight``: groups the engines stopped once
+no step could train them."""
 
 
 def _engine_counts(job) -> dict[str, int]:

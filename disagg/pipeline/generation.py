@@ -77,7 +77,7 @@ class Generation:
         e = fleet.place()
         self.sched.submitted(Group(gid, rowd, prompt, e, engine_version, time.perf_counter()))
         rid = f"g{gid}" if again is None else f"g{gid}-again{next(self._again_ids)}"
-        return e, GenRequest(rid, prompt, sampling), gid
+        return e, GenRequest(rid, prompt, sampling, stale_drop=True), gid
 
     def requeue(self, gids: list[int]) -> None:
         """Groups whose engine died: submitted again (before any new prompt), counted."""

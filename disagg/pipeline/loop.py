@@ -296,6 +296,9 @@ class Pipeline:
             self.sched.generated(gid, result)
             if self.gen.run_again(gid, result):  # an agent session's engine died
                 continue
+            if result.dropped == "stale":  # its engine stopped it: no step could train it any more
+                self.sched.stopped_stale(gid, self.cfg.algorithm.group_size)
+                continue
             self.gen.served(result)
             self.recorder.generated(group.engine, sum(len(c.response_ids) for c in result.completions),
                                     time.perf_counter() - group.t_submit)

@@ -3,7 +3,10 @@
 Staleness: a sample's staleness is the version being trained minus the oldest version among its
 tokens. ``GroupScheduler`` enforces ``max_staleness`` where batches are formed (stale groups are
 dropped and counted) and keeps generation from producing groups that would be dropped (in-flight
-plus buffered groups never exceed what the train steps still able to take them can consume).
+plus buffered groups never exceed what the train steps still able to take them can consume). A
+group still generating when a sync makes it too stale for any step is stopped by its engine
+(``GenRequest.stale_drop``) and counted here (``stopped_stale``): a long response that cannot make
+the limit does not hold a slot and the engine's time until it ends.
 """
 
 from __future__ import annotations
@@ -138,6 +141,15 @@ class GroupScheduler:
         dropped = len(self.ready) - len(keep)
         self.ready = keep
         return dropped
+
+    def stopped_stale(self, gid: int, samples: int) -> None:
+        """Group ``gid``'s engine stopped it once no step could train it (its answer ``dropped="stale"``):
+        dropped and counted as stale like a ready group past the limit, ``samples`` samples, and
+        counted as stopped in flight (``dropped_stale_in_flight_groups``)."""
+        self.finished(gid, None)
+        self.counts["dropped_stale"] += samples
+        self.counts["dropped_stale_groups"] += 1
+        self.counts["dropped_stale_in_flight_groups"] += 1
 
     def take_batch(self, train_version: int, max_staleness: int) -> list[Group] | None:
         """The groups to train on ``train_version``, or None if not ready yet.

@@ -121,6 +121,13 @@ class EngineActor(EngineSync, EnginePeers):
         # keep mode: (request id, sample) -> (its tokens when a sync paused it, the version loaded then)
         self._cuts: dict[tuple[str, int], list[tuple[int, int]]] = {}
         self._pause_counts: dict[str, int] | None = None  # the engine core's counts at this sync's pause
+        # Requests that may be dropped once stale (GenRequest.stale_drop): request id -> its task, the
+        # version each started on (keep mode), its oldest token's version where known, and the ones a
+        # sync stopped: request id -> (oldest token's version, the version loaded then).
+        self._droppable: dict[str, asyncio.Task] = {}
+        self._started: dict[str, int] = {}
+        self._oldest: dict[str, int] = {}
+        self._stale: dict[str, tuple[int, int]] = {}
         self._engine = None
         self._manifest = None  # the last manifest received (a sync of the same layout may name it by digest)
         self._worker_layout: str | None = None  # the layout digest vLLM's worker holds the manifest of
@@ -139,7 +146,7 @@ class EngineActor(EngineSync, EnginePeers):
         self.stats = {"requests": 0, "dropped_prompt_too_long": 0, "tokens_generated": 0, "pauses": 0, "streams": 0,
                       "resubmits": 0, "resubmit_kv_kept_tokens": 0, "resubmit_prefill_tokens": 0,
                       "requests_cancelled": 0, "http_requests": 0, "http_inflight": 0, "http_waiting": 0,
-                      "counted_cuts": 0}
+                      "counted_cuts": 0, "dropped_stale_in_flight": 0}
         self.address = ""  # the OpenAI API's base address (http://host:port), once serving
         self._http = None  # (uvicorn server, its task, its WeightsGate)
 
@@ -348,18 +355,29 @@ class EngineActor(EngineSync, EnginePeers):
             log.warning("dropping request %s: %s", req.request_id, detail)
             return GenResult(req.request_id, self.engine_id, list(req.prompt_ids), dropped="prompt_too_long", detail=detail)
         s = req.sampling
+        if req.stale_drop:
+            self._droppable[req.request_id] = asyncio.current_task()
         try:
             if self._mode == "keep":
                 ordered = await self._generate_kept(req)
             else:  # one vLLM request per sample: each continues alone after a sync
                 ordered = list(await asyncio.gather(*(self._run_sample(req, i) for i in range(s.n))))
         except asyncio.CancelledError:  # its caller cancelled it (a run that ended): aborted in vLLM
+            if req.request_id in self._stale:  # stopped by a sync (_drop_stale): aborted in vLLM too
+                asyncio.current_task().uncancel()
+                oldest, loaded = self._stale[req.request_id]
+                return GenResult(req.request_id, self.engine_id, list(req.prompt_ids), [], oldest, loaded,
+                                 dropped="stale", detail=f"its oldest token is version {oldest}, version {loaded} "
+                                 "is loaded: no step can train it within the staleness limit")
             self.stats["requests_cancelled"] += 1
             raise
         except ValueError as e:  # vLLM's own input validation
             self.stats["dropped_invalid_prompt"] = self.stats.get("dropped_invalid_prompt", 0) + 1
             log.warning("dropping request %s: %s", req.request_id, e)
             return GenResult(req.request_id, self.engine_id, list(req.prompt_ids), dropped="invalid_prompt", detail=str(e))
+        finally:
+            for book in (self._droppable, self._started, self._oldest, self._stale):
+                book.pop(req.request_id, None)
         for c in ordered:
             if len(c.logprobs) != len(c.response_ids):
                 raise RolloutError(f"request {req.request_id}: {len(c.response_ids)} tokens but "
@@ -383,14 +401,19 @@ class EngineActor(EngineSync, EnginePeers):
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
 
-    async def _run(self, request_id: str, prompt_ids: list[int], params, what: str, salt: int | None = None):
+    async def _run(self, request_id: str, prompt_ids: list[int], params, what: str, salt: int | None = None,
+                   start: bool = False):
         """Wait for servable weights, submit, and return vLLM's final output. Returns with
         ``self.version`` as it was when the request passed the gate (a version its tokens keep
         in resubmit mode, where a sync aborts the request before loading another). ``salt``: the
-        version whose prefix-cache chain the request continues (default: the one it passes with)."""
+        version whose prefix-cache chain the request continues (default: the one it passes with).
+        ``start``: a kept request that may be dropped once stale: its start version is noted for the
+        syncs' cuts (``_drop_stale``)."""
         # Guard against dummy weights: nothing is submitted to vLLM before a sync lands.
         await self._wait_weights(what)
         version = self.version
+        if start:
+            self._started[request_id] = version
         # No await between the gate and these counts: a sync starting from here on waits for the
         # submission, then pauses vLLM (keep) or aborts the request (resubmit).
         self._active += 1
@@ -427,7 +450,7 @@ class EngineActor(EngineSync, EnginePeers):
         try:
             out, version = await self._run(req.request_id, list(req.prompt_ids),
                                            self._params(s, s.n, s.max_tokens, s.seed),
-                                           f"first weights (request {req.request_id})")
+                                           f"first weights (request {req.request_id})", start=req.stale_drop)
             cuts = {i: self._cuts.get((req.request_id, i), []) for i in range(s.n)}
         finally:
             for i in range(s.n):
@@ -487,6 +510,8 @@ class EngineActor(EngineSync, EnginePeers):
                 raise RolloutError(f"request {rid}: served as version {version} but vLLM labels its tokens {labels}")
             # A piece that made tokens completed its prefill: its chain holds every block before them.
             chain = (version if chain is None else chain) if new else None
+            if new and req.stale_drop:  # this sample's oldest token, for the syncs (_drop_stale)
+                self._oldest[req.request_id] = min(self._oldest.get(req.request_id, version), version)
             ids += new
             logprobs += vllm_api.sampled_logprobs(o.logprobs, new)
             versions += [version] * len(new)

@@ -21,11 +21,24 @@ from disagg.rollout.types import SyncReport
 log = logging.getLogger("disagg.rollout")
 
 
+def first_token_version(start: int, cuts: list[tuple[int, int]]) -> int | None:
+    """The version of a kept response's first token, from the version it started on and its cuts so
+    far (each: its tokens when a sync paused it, the version loaded then; ``engine.cut_versions``);
+    None while it has no token from before its last cut. Pure."""
+    version = start
+    for count, loaded in cuts:
+        if count:
+            return version
+        version = loaded
+    return None
+
+
 class EngineSync:
     """``EngineActor``'s weight receive (gate, manifest, quiesce, the update call, resume)."""
 
     async def receive_weights(self, policy_version: int, manifest: dict | None = None, digest: str | None = None,
-                              ack: bool = True, arm_id: int = 0, arm_timeout_s: float = 0.0) -> SyncReport:
+                              ack: bool = True, arm_id: int = 0, arm_timeout_s: float = 0.0,
+                              max_staleness: int | None = None) -> SyncReport:
         """Take ``policy_version`` off the wire (concurrently with the trainer's send).
 
         The manifest: ``manifest`` if given, else the one this engine holds when its layout digest is
@@ -40,6 +53,8 @@ class EngineSync:
         the version: the worker waits on the transport group, ready, until the trainer's push says go
         (within ``arm_timeout_s``), so the sync then costs the wire and nothing of Ray's or vLLM's
         dispatch; called off by the trainer, it returns a report with ``cancelled`` set.
+        ``max_staleness``: the run's limit; once the version serves, the requests that may be dropped
+        and that no step can train any more stop (``_drop_stale``).
         """
         t0 = time.perf_counter()
         stamps = {"engine_in": time.time()}
@@ -52,6 +67,8 @@ class EngineSync:
             self._not_loading.set()
         self._report_state("READY")
         cancelled = str(stats.get("cancelled") or "")
+        if max_staleness is not None and not cancelled:
+            self._drop_stale(policy_version, max_staleness)
         if ack and self._coord is not None and not cancelled:
             t1 = time.perf_counter()
             await self._control_call(self._coord.ack_version, self.engine_id, policy_version, m.layout_digest())
@@ -200,8 +217,32 @@ class EngineSync:
         for internal_id, count in (counts or {}).items():
             sample = vllm_api.sample_of(internal_id, self._live)
             if sample is not None:  # not the OpenAI server's
-                self._cuts.setdefault(sample, []).append((count, policy_version))
+                cuts = self._cuts.setdefault(sample, [])
+                cuts.append((count, policy_version))
                 self.stats["counted_cuts"] += 1
+                rid = sample[0]
+                if rid in self._started:  # may be dropped once stale: its oldest token, for _drop_stale
+                    first = first_token_version(self._started[rid], cuts)
+                    if first is not None:
+                        self._oldest[rid] = min(self._oldest.get(rid, first), first)
+
+    def _drop_stale(self, loaded: int, max_staleness: int) -> int:
+        """Version ``loaded`` serves: stop each request that may be dropped (``GenRequest.stale_drop``)
+        whose oldest token is more than ``max_staleness`` versions older. No step can train it: every
+        step from here on trains ``loaded`` or a later version, and a sample's staleness is that minus
+        its oldest token's version; the engine's time goes to groups that can still be trained. Its
+        request is aborted in vLLM and answered ``dropped="stale"``. Returns how many."""
+        stopped = 0
+        for rid, oldest in list(self._oldest.items()):
+            task = self._droppable.get(rid)
+            if loaded - oldest > max_staleness and task is not None and rid not in self._stale:
+                self._stale[rid] = (oldest, loaded)
+                task.cancel()
+                stopped += 1
+        self.stats["dropped_stale_in_flight"] += stopped
+        if stopped:
+            log.debug("version %d: %d request(s) past max_staleness=%d stopped", loaded, stopped, max_staleness)
+        return stopped
 
     async def _update_failed(self, e: BaseException, policy_version: int, key: str) -> None:
         """The update call into the worker raised ``e``: a version whose checksums failed before anything

@@ -35,6 +35,10 @@ class GenRequest:
     request_id: str
     prompt_ids: tuple[int, ...]
     sampling: SamplingSpec
+    # The pipeline's groups: the engine may stop the request once no train step can take it (a sync
+    # loaded a version more than the run's max_staleness past its oldest token), and answers it
+    # ``dropped="stale"``. Evaluations and the OpenAI server's requests are never stopped.
+    stale_drop: bool = False
 
 
 @dataclass
@@ -68,7 +72,9 @@ class GenResult:
     ``min_version``/``max_version`` are the policy versions the engine served
     while producing the tokens (equal unless a sync happened in between).
     ``dropped`` is a reason string when the prompt could not be served (e.g.
-    ``prompt_too_long``); then ``completions`` is empty.
+    ``prompt_too_long``); then ``completions`` is empty. ``dropped="stale"``: the engine stopped it
+    once no step could train it; ``min_version`` is then its oldest token's version and
+    ``max_version`` the version whose load stopped it.
     """
 
     request_id: str

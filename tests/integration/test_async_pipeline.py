@@ -14,7 +14,8 @@ import torch
 
 from disagg.rollout.types import GenRequest, SamplingSpec
 from disagg.samples import TrainSample
-from tests.conftest import long_request_across_syncs, next_step_held_until, replay_logprobs, small_config
+from tests.conftest import (a_sync_stops_what_no_step_can_train, long_request_across_syncs, next_step_held_until,
+                            replay_logprobs, small_config)
 
 LONG_TOKENS = 200
 
@@ -389,6 +390,48 @@ def test_periodic_checkpoints_hold_exactly_every_nth_step_at_staleness_one(job, 
     for step, version, serving, training in taken:
         assert version == step + 1 and serving == version and not training, taken
     assert max(r["policy/staleness_max"] for r in records) >= 1  # the run did go ahead of the trainer
+
+
+def test_a_sync_stops_the_requests_no_step_can_train_and_no_other(job, tok):
+    """GenRequest.stale_drop in keep mode (requests frozen across syncs)."""
+    prompt = [tok.bos_token_id] + tok.encode("2468=", add_special_tokens=False)
+    a_sync_stops_what_no_step_can_train(job, prompt, LONG_TOKENS)
+
+
+def test_a_stream_stops_the_groups_no_step_can_train_and_loses_none(job, tok):
+    """The pipeline's side: groups its engine stopped come back ``dropped="stale"`` and are counted
+    as stale drops (in flight), every prompt is accounted for, and no trained sample is past the limit."""
+    import dataclasses
+    import itertools
+
+    import ray
+
+    job.coordinator.state.set_max_staleness(1)
+    first = _next_version(job)
+    job.sync_weights(first, trainer_step=first)
+    engine = job.rollout.engines[0]
+    before = ray.get(engine.get_stats.remote(), timeout=60)
+    turn = itertools.count()
+
+    def lengths(row):  # every fourth group runs long: too long to be trained one version on
+        n = LONG_TOKENS if next(turn) % 4 == 1 else 4
+        return SamplingSpec(max_tokens=n, temperature=1.0, n=job.cfg.algorithm.group_size, ignore_eos=True)
+
+    cfg = dataclasses.replace(job.cfg, rollout=dataclasses.replace(job.cfg.rollout, scheduler="stream",
+                                                                   max_inflight_groups=16))
+    pipeline = _pipeline(job, tok, cfg=cfg, sampling_for=lengths)
+    records = pipeline.run(8, first_step=first)
+    after = ray.get(engine.get_stats.remote(), timeout=60)
+    stopped = records[-1]["samples/dropped_stale_in_flight_groups"]
+    assert stopped > 0, records[-1]
+    # Every group the engine stopped reached the driver, but those the run's last sync stopped: the
+    # run had ended, and they are among the groups it left in flight.
+    engine_stopped = after["dropped_stale_in_flight"] - before["dropped_stale_in_flight"]
+    assert stopped <= engine_stopped <= stopped + pipeline.abandoned_groups, (engine_stopped, pipeline.abandoned_groups)
+    assert records[-1]["samples/dropped_stale"] >= stopped * job.cfg.algorithm.group_size
+    assert records[-1]["rollout/prompts_lost"] == 0 and pipeline.prompts_lost() == 0
+    assert all(r["policy/staleness_max"] <= 1 for r in records)
+    assert all(r["samples/trained"] > 0 for r in records)
 
 
 def test_groups_still_generating_when_a_run_ends_are_aborted_in_the_engine(job, tok):

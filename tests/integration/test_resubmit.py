@@ -15,7 +15,7 @@ import torch
 
 from disagg.rollout.types import GenRequest, SamplingSpec
 from disagg.samples import TrainSample
-from tests.conftest import long_request_across_syncs, replay_logprobs, small_config
+from tests.conftest import a_sync_stops_what_no_step_can_train, long_request_across_syncs, replay_logprobs, small_config
 
 LONG_TOKENS = 200
 
@@ -162,6 +162,12 @@ def test_requests_resubmitted_across_weight_updates_carry_each_token_version(job
     # and prefilled less than its context.
     assert kept_any
     assert after["resubmit_kv_kept_tokens"] > before["resubmit_kv_kept_tokens"]
+
+
+def test_a_sync_stops_the_requests_no_step_can_train_and_no_other(job, tok):
+    """GenRequest.stale_drop in resubmit mode (each sample aborted and continued at a sync)."""
+    prompt = [tok.bos_token_id] + tok.encode("2468=", add_special_tokens=False)
+    a_sync_stops_what_no_step_can_train(job, prompt, LONG_TOKENS, poll_s=0.3)
 
 
 def test_a_pipeline_at_staleness_one_stays_within_its_limit(job, tok):

@@ -110,6 +110,28 @@ def test_a_dropped_group_is_not_buffered() -> None:
     assert not s.inflight and not s.ready
 
 
+def test_a_group_its_engine_stopped_as_stale_frees_its_slot_and_is_counted() -> None:
+    s = GroupScheduler(batch_groups=2, max_inflight=3)
+    for gid in range(3):
+        s.submitted(_group(gid, 5))
+    assert s.capacity(engine_version=7, next_train_version=7, max_staleness=4) == 0  # every slot held
+    s.generated(1, None)
+    s.stopped_stale(1, samples=4)
+    assert 1 not in s.inflight and not s.ready and s.generating_on(0) == 2
+    assert s.capacity(engine_version=7, next_train_version=7, max_staleness=4) == 1
+    assert (s.counts["dropped_stale"], s.counts["dropped_stale_groups"], s.counts["dropped_stale_in_flight_groups"]) \
+        == (4, 1, 1)
+
+
+def test_a_kept_responses_first_token_version_comes_from_its_first_cut_with_tokens() -> None:
+    from disagg.rollout.engine_sync import first_token_version
+
+    assert first_token_version(4, []) is None  # no sync yet: its tokens (if any) are the serving version's
+    assert first_token_version(4, [(3, 5)]) == 4
+    assert first_token_version(4, [(0, 5), (0, 6), (2, 7)]) == 6  # two pauses before its first token
+    assert first_token_version(4, [(0, 5)]) is None
+
+
 @pytest.mark.parametrize("mode", ["stream", "batch"])
 @pytest.mark.parametrize("limit,lowered", [(0, None), (1, None), (3, None), (3, 0), (2, 1)])
 def test_simulated_run_loses_no_group_and_trains_nothing_too_stale(mode: str, limit: int, lowered) -> None:
