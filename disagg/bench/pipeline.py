@@ -561,6 +561,10 @@ def render(report: dict[str, Any]) -> None:
             if e.get("counted_cuts"):
                 table.add_row(f"  {mode} pauses at syncs (responses cut by the engine core's counts)",
                               f"{e['pauses']} ({e['counted_cuts']} cuts)", "", "")
+            if e.get("dropped_stale_in_flight"):
+                table.add_row(f"  {mode}: groups the engines stopped once no step could train them",
+                              f"{e['dropped_stale_in_flight']} (stale drops in all: {m['dropped_stale']} "
+                              "samples)", "", "")
     if "reward_overlap" in report:
         r = report["reward_overlap"]
         stages = (f"rollout {r['rollout_stage_s']:.2f} s, reward {r['reward_stage_s']:.2f} s in total, "
