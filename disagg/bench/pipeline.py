@@ -73,6 +73,10 @@ log = logging.getLogger("disagg.bench")
 class PipelineBenchOptions:
     device: str = "cpu"  # cpu | cuda | auto (cuda where this process sees a GPU)
     tail_steps: int = 64  # train steps per scheduler in the long-tail comparison
+    # train steps of each stream run there (0: tail_steps): long enough that a stream's one-off fill
+    # (its first batch waits for a whole wave of groups in flight) is a small part of its run, as in
+    # a training run, where a batch run's steps are alike from the first
+    tail_stream_steps: int = 0
     tail_warmup_steps: int = 2  # batch steps run first and not measured (the engine's one-off warm-up)
     tail_short: int = 4  # most responses: this many tokens
     tail_long: int = 96  # the tail: this many tokens
@@ -104,7 +108,7 @@ class PipelineBenchOptions:
 GPU_DEFAULTS: dict[str, Any] = {
     # Qwen2.5-0.5B's shape with lengths a post-training run sees; sized so that the whole bench
     # takes ~20 minutes on one H200. Flags given on the command line win.
-    "tail_steps": 16, "tail_warmup_steps": 1, "tail_short": 128, "tail_long": 2048, "tail_fraction": 0.1,
+    "tail_steps": 16, "tail_stream_steps": 48, "tail_warmup_steps": 1, "tail_short": 128, "tail_long": 2048, "tail_fraction": 0.1,
     "tail_staleness": 8, "tail_inflight": 128, "tail_prompts": 32, "tail_sync_interval": 4,
     "overlap_steps": 6, "overlap_max_seqs": 64, "overlap_prompts": 32, "overlap_min_tokens": 64,
     "overlap_max_tokens": 512,
@@ -233,10 +237,12 @@ def long_tail(o: PipelineBenchOptions, run_dir: Path) -> dict[str, Any]:
                             sync_interval=min(o.tail_sync_interval, limit) if mode == "stream_interval" else 1)
             job.coordinator.state.set_max_staleness(mcfg.algorithm.max_staleness)
             before = _engine_counts(job)
-            p, wall = _run(mcfg, job, tok, o.tail_steps, version, sampling_for=lengths, reward_workers=pool)
+            steps = (o.tail_stream_steps or o.tail_steps) if scheduler == "stream" else o.tail_steps
+            p, wall = _run(mcfg, job, tok, steps, version, sampling_for=lengths, reward_workers=pool)
             engines = {k: v - before[k] for k, v in _engine_counts(job).items()}
-            version += o.tail_steps
+            version += steps
             out[mode] = {"trained_tokens": p.trained_tokens, "seconds": wall, "in_flight_at_sync": in_flight,
+                         "num_steps": steps,
                          "trained_tokens_per_s": p.trained_tokens / wall,
                          # what the engines made over the whole run (the step medians' rate is the
                          # rate while a step waited, none where the stream never waits)
@@ -524,7 +530,8 @@ def render(report: dict[str, Any]) -> None:
             if name in t:
                 a, b = t[mode], t[base]
                 measured = (f"{a['trained_tokens_per_s']:.0f} vs {b['trained_tokens_per_s']:.0f} "
-                            f"(stale drops {a['dropped_stale']} vs {b['dropped_stale']})")
+                            f"(stale drops {a['dropped_stale']} vs {b['dropped_stale']}; "
+                            f"{a.get('num_steps', '?')} vs {b.get('num_steps', '?')} steps)")
                 table.add_row(labels[name], measured, f"{t[name]:.2f}", target)
         if "keep_vs_resubmit" in t:
             keep, res = keep_and_resubmit(t)

@@ -34,7 +34,7 @@ def test_steady_throughput_leaves_the_warm_up_steps_out():
 def test_bench_pipeline_reports_measured_ratios(tmp_path):
     out = tmp_path / "pipeline.json"
     cmd = [sys.executable, "-m", "disagg", "bench", "pipeline", "--only", "tail,overlap", "--tail-steps", "3",
-           "--tail-runs", "batch,batch_async,stream,stream_resubmit",
+           "--tail-stream-steps", "5", "--tail-runs", "batch,batch_async,stream,stream_resubmit",
            "--tail-warmup-steps", "1", "--overlap-steps", "3", "--tail-long", "48", "--run-dir", str(tmp_path / "runs"),
            "--json", str(out), "rollout.gpu_memory_utilization=0.06"]  # a small KV cache: engines start sooner
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=840)
@@ -46,8 +46,8 @@ def test_bench_pipeline_reports_measured_ratios(tmp_path):
         assert tail[mode]["staleness_max"] <= report["options"]["tail_staleness"]
         # the profile: one row per measured step, its medians taken from those rows
         steps = tail[mode]["steps"]
-        assert len(steps) == 3
-        assert tail[mode]["train_s_median"] == pytest.approx(sorted(s["timing/train_s"] for s in steps)[1])
+        assert len(steps) == tail[mode]["num_steps"] == (5 if mode.startswith("stream") else 3)  # --tail-stream-steps
+        assert tail[mode]["train_s_median"] == pytest.approx(sorted(s["timing/train_s"] for s in steps)[len(steps) // 2])
         assert all(s["timing/train_s"] > 0 for s in steps)
         if mode == "batch":  # the synchronous pattern: a step is its wait for a batch, then its training
             assert all(s["timing/train_s"] <= s["timing/step_s"] for s in steps)
