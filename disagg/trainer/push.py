@@ -13,6 +13,14 @@ from typing import Any
 import torch
 
 
+
+def allocated_bytes(device: torch.device) -> tuple[int, int]:
+    """(bytes allocated on the CUDA ``device`` now, the peak since the last reset), read from the
+    allocator's nested statistics: ``torch.cuda.memory_allocated`` first flattens and sorts every
+    statistic into a new dict (~0.1 ms of Python), and the push reads these on a sync's critical path."""
+    stats = torch.cuda.memory_stats_as_nested_dict(device)["allocated_bytes"]["all"]
+    return int(stats["current"]), int(stats["peak"])
+
 class TrainerPush:
     """``TrainerWorker``'s weight push (its transport group, manifests, snapshots, pushes)."""
 
@@ -138,7 +146,7 @@ class TrainerPush:
         def mark_memory() -> None:  # what the push allocates beyond this, at its peak: peak_extra_bytes
             if self.device.type == "cuda" and not from_snapshot:
                 torch.cuda.reset_peak_memory_stats(self.device)
-                memory["base"] = torch.cuda.memory_allocated(self.device)
+                memory["base"] = allocated_bytes(self.device)[0]
 
         go = None
         if go_timeout_s is not None and self.group is not None:
@@ -189,7 +197,7 @@ class TrainerPush:
                     mark_memory()
                 stats = send(self._params)
                 if "base" in memory:
-                    out["peak_extra_bytes"] = torch.cuda.max_memory_allocated(self.device) - memory["base"]
+                    out["peak_extra_bytes"] = allocated_bytes(self.device)[1] - memory["base"]
         except SyncCancelled as e:  # the driver's word was to call it off: the engines' receives too
             self._next_kind = forced
             self.disarm(arm_id)
