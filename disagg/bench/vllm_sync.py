@@ -235,7 +235,7 @@ def run(o: VllmSyncOptions) -> dict[str, Any]:
             version = _delta_block(job, o, raw, version, raw_s, syncs)
         if o.trace:
             version += 1
-            report["trace"] = _traced_sync(job, o, version)
+            report["trace"], report["engine_traces"] = _traced_sync(job, o, version)
         peer_runs: list[dict[str, float]] = []
         if o.peer == "vllm-nccl":  # vLLM's calls go to its own engine for the peer's block (not timed)
             ray.get([e.peer_use.remote("vllm-nccl") for e in engines], timeout=60)
@@ -349,12 +349,15 @@ def delta_summary(syncs: dict[str, list[dict[str, Any]]], mode: str) -> dict[str
     return out
 
 
-def _traced_sync(job, o: VllmSyncOptions, version: int) -> str:
-    """One more sync of the first mode, its trainer push under the profiler (not timed); the trace's path."""
+def _traced_sync(job, o: VllmSyncOptions, version: int) -> tuple[str, list[str]]:
+    """One more sync of the first mode, its trainer push and each engine worker's receive under the
+    profiler (not timed): the push's trace and the workers' (``<trace>.engine<i>.w<rank>.json``)."""
     import ray
 
-    path = str(Path(o.trace).resolve())
-    ray.get(job.trainer.transport_method(0, "trace_next_push").remote(path), timeout=60)
+    path = Path(o.trace).resolve()
+    ray.get(job.trainer.transport_method(0, "trace_next_push").remote(str(path)), timeout=60)
+    workers = ray.get([e.trace_next_sync.remote(str(path.with_name(f"{path.stem}.engine{i}{path.suffix}")))
+                       for i, e in enumerate(job.rollout.engines)], timeout=60)
     if o.delta:
         _next_push_as(job, "dense")
     ray.get([e.set_load_mode.remote(o.loads[0]) for e in job.rollout.engines], timeout=60)
@@ -362,7 +365,7 @@ def _traced_sync(job, o: VllmSyncOptions, version: int) -> str:
         job.arm_sync(version, timeout_s=job.cfg.transport.timeout_s)
         time.sleep(_ARM_SETTLE_S)
     job.finish_sync(job.start_sync(version, trainer_step=version - 1))
-    return path
+    return str(path), [w for each in workers for w in each]
 
 
 _ARM_SETTLE_S = 0.3  # an armed receive's way onto the group (milliseconds; a train step is longer)
@@ -500,7 +503,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--no-armed", dest="armed", action="store_false",
                    help="skip the blocks with the engines' receives armed before the announce")
     p.add_argument("--trace", default=None, metavar="PATH",
-                   help="one more sync at the end, the trainer's push written here as a Chrome trace (torch.profiler)")
+                   help="one more sync at the end, the trainer's push written here as a Chrome trace (torch.profiler), "
+                        "each engine worker's receive beside it (PATH's name + .engine<i>.w<rank>)")
     p.add_argument("--delta", action="store_true",
                    help="transport.delta=on: the blocks send dense, then one more block of versions made by real "
                         "AdamW steps, sent dense and as deltas by turns")

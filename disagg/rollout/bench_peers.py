@@ -34,6 +34,12 @@ class EnginePeers:
         self._mode = self._resolve_in_flight_mode(requested)
         return self._mode
 
+    async def trace_next_sync(self, path: str) -> list[str]:
+        """``disagg bench vllm-sync --trace``: the next sync's part in each vLLM worker runs under
+        ``torch.profiler``, written beside ``path`` (one file per worker, its rank in the name);
+        those files' paths."""
+        return list(await self._engine.collective_rpc("disagg_trace_next_sync", args=(path,)))
+
     async def param_checksums(self) -> dict[str, list[int]]:
         """Worker 0's bit checksum of each vLLM parameter (``disagg_param_checksums``)."""
         return (await self._engine.collective_rpc("disagg_param_checksums"))[0]

@@ -309,12 +309,36 @@ class DisaggWorkerExtension:
 
     def disagg_sync(self, update_info: dict[str, Any]) -> dict[str, Any]:
         """One weight update in one call from the engine actor: vLLM's start, update and finish (the
-        worker's own methods, as ``AsyncLLM`` calls them one round trip each); the receive's figures."""
+        worker's own methods, as ``AsyncLLM`` calls them one round trip each); the receive's figures.
+        After ``disagg_trace_next_sync`` it runs under ``torch.profiler`` (``trace``: the file)."""
+        path, self._disagg_trace = getattr(self, "_disagg_trace", None), None
+        if path is None:
+            return self._disagg_sync(update_info)
+        from torch.profiler import ProfilerActivity, profile
+
+        device = getattr(self.weight_transfer_engine, "device", None)
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if getattr(device, "type", "") == "cuda" else [])
+        with profile(activities=activities) as prof:
+            out = self._disagg_sync(update_info)
+        prof.export_chrome_trace(path)
+        return {**out, "trace": path}
+
+    def _disagg_sync(self, update_info: dict[str, Any]) -> dict[str, Any]:
         entered = time.time()
         self.start_weight_update()
         self.update_weights(update_info)
         self.finish_weight_update()
         return dict(self.weight_transfer_engine.last_stats, worker_in_unix_s=entered, worker_out_unix_s=time.time())
+
+    def disagg_trace_next_sync(self, path: str) -> str:
+        """Benchmarks: the next ``disagg_sync`` of this worker (its receive loop, loads and vLLM's
+        start / finish) runs under ``torch.profiler`` and is written as a Chrome trace to ``path``
+        with this worker's rank before its suffix; returns that file's path."""
+        from pathlib import Path
+
+        p = Path(path)
+        self._disagg_trace = str(p.with_name(f"{p.stem}.w{getattr(self, 'rank', 0)}{p.suffix}"))
+        return self._disagg_trace
 
     def disagg_set_load_mode(self, mode: str) -> str:
         """``disagg bench vllm-sync``: load the next updates with ``mode`` (``transport.load``); the mode resolved."""

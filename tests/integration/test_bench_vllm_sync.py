@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -121,6 +122,10 @@ def test_bench_vllm_sync_times_a_raw_broadcast_and_each_syncs_phases(tmp_path):
     assert r["trace"] == str(tmp_path / "push.trace.json")
     events = json.loads((tmp_path / "push.trace.json").read_text())["traceEvents"]
     assert any("broadcast" in str(e.get("name", "")) for e in events), sorted({e.get("name") for e in events})[:40]
+    # and the engine worker's receive of that sync, in a file of its own: its broadcasts, its loads
+    assert r["engine_traces"] == [str(tmp_path / "push.trace.engine0.w0.json")]
+    names = {str(e.get("name", "")) for e in json.loads(Path(r["engine_traces"][0]).read_text())["traceEvents"]}
+    assert any("broadcast" in n for n in names) and any("copy_" in n or "load" in n for n in names), sorted(names)[:40]
     assert r["snapshot"]["bytes"] == r["bytes"] and r["snapshot"]["seconds"] > 0
     snap = r["modes"]["layerwise, from a snapshot"]
     assert snap["raw_vs_sync"] == pytest.approx(r["raw_s"] / snap["seconds"])
