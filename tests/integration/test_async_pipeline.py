@@ -398,28 +398,38 @@ def test_a_sync_stops_the_requests_no_step_can_train_and_no_other(job, tok):
     a_sync_stops_what_no_step_can_train(job, prompt, LONG_TOKENS)
 
 
-def test_a_stream_stops_the_groups_no_step_can_train_and_loses_none(job, tok):
-    """The pipeline's side: groups its engine stopped come back ``dropped="stale"`` and are counted
-    as stale drops (in flight), every prompt is accounted for, and no trained sample is past the limit."""
+def _stream_with_long_groups(job, tok, limit: int, every: int):
+    """A stream pipeline (16 groups in flight) at staleness ``limit`` whose every ``every``-th group
+    runs LONG_TOKENS (the others 4 tokens), from a version synced now: (the pipeline, that version,
+    engine 0's stats before it runs)."""
     import dataclasses
     import itertools
 
     import ray
 
-    job.coordinator.state.set_max_staleness(1)
+    job.coordinator.state.set_max_staleness(limit)
     first = _next_version(job)
     job.sync_weights(first, trainer_step=first)
-    engine = job.rollout.engines[0]
-    before = ray.get(engine.get_stats.remote(), timeout=60)
+    before = ray.get(job.rollout.engines[0].get_stats.remote(), timeout=60)
     turn = itertools.count()
 
-    def lengths(row):  # every fourth group runs long: too long to be trained one version on
-        n = LONG_TOKENS if next(turn) % 4 == 1 else 4
+    def lengths(row):
+        n = LONG_TOKENS if next(turn) % every == 1 else 4
         return SamplingSpec(max_tokens=n, temperature=1.0, n=job.cfg.algorithm.group_size, ignore_eos=True)
 
     cfg = dataclasses.replace(job.cfg, rollout=dataclasses.replace(job.cfg.rollout, scheduler="stream",
                                                                    max_inflight_groups=16))
-    pipeline = _pipeline(job, tok, cfg=cfg, sampling_for=lengths)
+    return _pipeline(job, tok, cfg=cfg, sampling_for=lengths), first, before
+
+
+def test_a_stream_stops_the_groups_no_step_can_train_and_loses_none(job, tok):
+    """The pipeline's side: groups its engine stopped come back ``dropped="stale"`` and are counted
+    as stale drops (in flight), every prompt is accounted for, and no trained sample is past the limit."""
+    import ray
+
+    engine = job.rollout.engines[0]
+    # every fourth group runs long: too long to be trained one version on
+    pipeline, first, before = _stream_with_long_groups(job, tok, limit=1, every=4)
     records = pipeline.run(8, first_step=first)
     after = ray.get(engine.get_stats.remote(), timeout=60)
     stopped = records[-1]["samples/dropped_stale_in_flight_groups"]
@@ -438,26 +448,13 @@ def test_groups_still_generating_when_a_run_ends_are_aborted_in_the_engine(job, 
     """A run that ends with groups in flight (the stream admits ahead of the trainer) cancels their
     calls: the engine aborts their vLLM requests instead of generating them for no step, where a
     next run on the same engines (a bench's runs) would queue behind them."""
-    import dataclasses
-    import itertools
     import time
 
     import ray
 
-    job.coordinator.state.set_max_staleness(4)
-    first = _next_version(job)
-    job.sync_weights(first, trainer_step=first)
     engine = job.rollout.engines[0]
-    before = ray.get(engine.get_stats.remote(), timeout=60)
-    turn = itertools.count()
-
-    def lengths(row):  # every other group runs long: those are the ones in flight at the end
-        n = LONG_TOKENS if next(turn) % 2 else 4
-        return SamplingSpec(max_tokens=n, temperature=1.0, n=job.cfg.algorithm.group_size, ignore_eos=True)
-
-    cfg = dataclasses.replace(job.cfg, rollout=dataclasses.replace(job.cfg.rollout, scheduler="stream",
-                                                                   max_inflight_groups=16))
-    pipeline = _pipeline(job, tok, cfg=cfg, sampling_for=lengths)
+    # every other group runs long: those are the ones in flight at the end
+    pipeline, first, before = _stream_with_long_groups(job, tok, limit=4, every=2)
     pipeline.run(1, first_step=first)
     assert pipeline.abandoned_groups > 0  # else the run ended with nothing to cancel
     deadline = time.monotonic() + 30
