@@ -72,6 +72,8 @@ RECORD_COUNTERS = (
      "samples/trained_beyond_staleness"),
     ("disagg_dropped_stale_samples", "Samples dropped before training for exceeding the staleness limit",
      "samples/dropped_stale"),
+    ("disagg_stopped_stale_groups", "Prompt groups their engine stopped while generating, once no step could "
+     "train them (their samples are among the stale drops)", "samples/dropped_stale_in_flight_groups"),
     ("disagg_requeued_groups", "Prompt groups generated again because their engine died",
      "rollout/groups_requeued"),
 )

@@ -49,7 +49,8 @@ def _state() -> CoordinatorState:
 def _record(step: int, sync_s: float, staleness: int) -> dict:
     return {"policy_version": step + 1, "policy/staleness_max": staleness, "timing/weight_sync_s": sync_s,
             "timing/step_s": 1.5, "rollout/prompts_lost": 0, "rollout/dummy_served": 0,
-            "samples/trained_beyond_staleness": 0, "samples/dropped_stale": 9, "rollout/groups_requeued": 2}
+            "samples/trained_beyond_staleness": 0, "samples/dropped_stale": 9, "rollout/groups_requeued": 2,
+            "samples/dropped_stale_in_flight_groups": 1}
 
 
 def test_the_scrape_reports_the_state():
@@ -114,6 +115,7 @@ def test_step_records_feed_the_histogram_and_the_must_be_zero_counters():
     assert m[("disagg_trained_beyond_staleness_samples_total", ())] == 3
     assert m[("disagg_prompts_lost", ())] == 2
     assert m[("disagg_dropped_stale_samples_total", ())] == 9
+    assert m[("disagg_stopped_stale_groups_total", ())] == 1
     assert m[("disagg_requeued_groups_total", ())] == 2
 
 
