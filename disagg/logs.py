@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Awaitable, TypeVar
+from typing import Any, Awaitable, Callable, TypeVar
 
 T = TypeVar("T")
 
@@ -86,3 +86,17 @@ def ray_get_logged(refs: Any, *, what: str, timeout_s: float, log: logging.Logge
         if time.monotonic() - start >= timeout_s:
             raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what} ({len(not_ready)} of {len(pending)} pending)")
         log.info("still waiting for %s: %d of %d pending after %.0fs", what, len(not_ready), len(pending), time.monotonic() - start)
+
+
+def traced(path: str | None, cuda: bool, call: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """``call()``'s figures; with ``path``, ``call`` runs under ``torch.profiler`` (host activity, and
+    the device's where ``cuda``), written to ``path`` as a Chrome trace and named in the figures'
+    ``trace`` (the benchmarks' ``--trace``: a sync's push and each engine worker's receive)."""
+    if path is None:
+        return call()
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        out = call()
+    prof.export_chrome_trace(path)
+    return {**out, "trace": path}

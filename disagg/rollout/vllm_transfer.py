@@ -43,6 +43,7 @@ import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
 
 from disagg.errors import ChecksumError, DeltaRefused, SyncCancelled
+from disagg.logs import traced
 from disagg.rollout import vllm_api
 from disagg.transport.buckets import PartLoader
 from disagg.transport.copyplan import CopyPlan, Recorded, learn
@@ -312,16 +313,8 @@ class DisaggWorkerExtension:
         worker's own methods, as ``AsyncLLM`` calls them one round trip each); the receive's figures.
         After ``disagg_trace_next_sync`` it runs under ``torch.profiler`` (``trace``: the file)."""
         path, self._disagg_trace = getattr(self, "_disagg_trace", None), None
-        if path is None:
-            return self._disagg_sync(update_info)
-        from torch.profiler import ProfilerActivity, profile
-
         device = getattr(self.weight_transfer_engine, "device", None)
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if getattr(device, "type", "") == "cuda" else [])
-        with profile(activities=activities) as prof:
-            out = self._disagg_sync(update_info)
-        prof.export_chrome_trace(path)
-        return {**out, "trace": path}
+        return traced(path, getattr(device, "type", "") == "cuda", lambda: self._disagg_sync(update_info))
 
     def _disagg_sync(self, update_info: dict[str, Any]) -> dict[str, Any]:
         entered = time.time()

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from disagg.logs import traced
 
 
 def allocated_bytes(device: torch.device) -> tuple[int, int]:
@@ -20,6 +21,7 @@ def allocated_bytes(device: torch.device) -> tuple[int, int]:
     statistic into a new dict (~0.1 ms of Python), and the push reads these on a sync's critical path."""
     stats = torch.cuda.memory_stats_as_nested_dict(device)["allocated_bytes"]["all"]
     return int(stats["current"]), int(stats["peak"])
+
 
 class TrainerPush:
     """``TrainerWorker``'s weight push (its transport group, manifests, snapshots, pushes)."""
@@ -106,15 +108,8 @@ class TrainerPush:
         if self.delta_chooser is not None and last_sync_s:
             self.delta_chooser.amend(last_sync_s)
         path, self._trace_path = self._trace_path, None
-        if path is None:
-            return self._push(policy_version, from_snapshot, arm_id, go_timeout_s)
-        from torch.profiler import ProfilerActivity, profile
-
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
-        with profile(activities=activities) as prof:
-            out = self._push(policy_version, from_snapshot, arm_id, go_timeout_s)
-        prof.export_chrome_trace(path)
-        return {**out, "trace": path}
+        return traced(path, self.device.type == "cuda",
+                      lambda: self._push(policy_version, from_snapshot, arm_id, go_timeout_s))
 
     def _push(self, policy_version: int, from_snapshot: bool = False, arm_id: int = 0,
               go_timeout_s: float | None = None) -> dict[str, Any]:
