@@ -100,7 +100,8 @@ def buckets_per_sync(overrides: list[str]) -> int:
         cfg = load_config(OmegaConf.to_container(compose(config_name="train", overrides=overrides), resolve=True))
     with torch.device("meta"):
         model = build_model(cfg.model.tiny, seed=0)
-    return len(model_manifest(model, cfg.transport.bucket_bytes, 0, cfg.transport.dtype).buckets)
+    t = cfg.transport
+    return len(model_manifest(model, t.bucket_bytes, 0, t.dtype, t.first_bucket_bytes).buckets)
 
 
 def trainer_dies_mid_sync_then_resumes(args: list[str], run_dir, timeout_s: float = 900.0,

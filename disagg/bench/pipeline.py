@@ -210,6 +210,10 @@ def long_tail(o: PipelineBenchOptions, run_dir: Path) -> dict[str, Any]:
                        reward={"num_workers": 1})
     if cfg.rollout.max_num_seqs < 4 * o.tail_inflight:  # the engine's concurrency covers the stream's groups
         cfg = _replace(cfg, "rollout", max_num_seqs=4 * o.tail_inflight)
+    r = cfg.rollout
+    if o.device == "cuda" and r.max_cudagraph_capture_size is None and r.max_num_seqs > 512:
+        # and CUDA graphs cover it too (vLLM's default stops at 512; the overrides may set another)
+        cfg = _replace(cfg, "rollout", max_cudagraph_capture_size=r.max_num_seqs)
     job, tok = _start(cfg, run_dir / "tail")
     version, out = 1, {}
 
@@ -263,6 +267,7 @@ def long_tail(o: PipelineBenchOptions, run_dir: Path) -> dict[str, Any]:
         job.shutdown()
     # what a sync did with the requests in flight (rollout.in_flight_at_sync, as the engines chose it)
     out["in_flight_at_sync"] = job.rollout.start_info[0]["in_flight_at_sync"]
+    out["max_num_seqs"], out["cudagraph_max_size"] = cfg.rollout.max_num_seqs, job.rollout.start_info[0]["cudagraph_max_size"]
     rate = {mode: out[mode]["trained_tokens_per_s"] for mode, *_ in tail_runs(o)}
     for name, mode, base, _ in TAIL_RATIOS:
         if mode in rate and base in rate:  # the runs --tail-runs left out give no ratio
@@ -544,6 +549,9 @@ def render(report: dict[str, Any]) -> None:
             rates = ", ".join(f"{m} {v['trained_tokens_per_s']:.0f}" for m, v in t.items() if isinstance(v, dict))
             table.add_row(f"long tail: trained tokens/s (requests in flight at a sync: {t['in_flight_at_sync']})",
                           rates, "", "")
+        if t.get("max_num_seqs"):
+            table.add_row("  the engine: concurrent sequences / largest CUDA-graph batch",
+                          f"{t['max_num_seqs']} / {t.get('cudagraph_max_size') or 'none'}", "", "")
         for mode in t:
             m = t[mode]
             if not isinstance(m, dict):

@@ -58,6 +58,7 @@ RANGES: tuple[tuple[str, str, str], ...] = (
     ("algorithm.prompts_per_step", ">= 1", ""),
     ("transport.bucket_bytes", ">= 1", ""),
     ("transport.num_buffers", ">= 1", ""),
+    ("transport.first_bucket_bytes", ">= 0", " (0: no ramp)"),
     ("data.num_digits", ">= 1", ""),
     ("trainer.lr", "> 0", ""),
     ("transport.timeout_s", "> 0", ""),
@@ -120,6 +121,9 @@ def _check_sampling(cfg: Config, mode: str) -> None:
            f"rollout.load_format={r.load_format!r}: training engines start on dummy weights and wait for the "
            "trainer's first sync; 'auto' is for standalone `disagg generate`")
     _check(0 <= r.api_port_base < 65536, f"rollout.api_port_base={r.api_port_base}: must be in [0, 65535]")
+    _check(r.max_cudagraph_capture_size is None or r.max_cudagraph_capture_size >= 1,
+           f"rollout.max_cudagraph_capture_size={r.max_cudagraph_capture_size}: must be >= 1, or null for vLLM's "
+           "default")
 
 
 def _check_devices(cfg: Config, mode: str) -> None:

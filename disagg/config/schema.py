@@ -121,6 +121,10 @@ class RolloutConfig:
     """Engine weight dtype."""
     enforce_eager: bool = True
     """Disable CUDA graphs / compilation (fast start on CPU)."""
+    max_cudagraph_capture_size: int | None = None
+    """The largest decode batch (sequences) vLLM captures a CUDA graph for; larger batches decode
+    without graphs. null: vLLM's default, min(2 x max_num_seqs, 512). Raise it to max_num_seqs when
+    more sequences than that run at once (a wide stream of groups): more graphs to capture at start."""
     cpus_per_engine: int = 1
     """CPUs in each rollout bundle."""
     gpus_per_engine: float = 1.0
@@ -179,6 +183,10 @@ class TransportConfig:
     """Process-group backend; 'auto' -> nccl on cuda, gloo on cpu."""
     bucket_bytes: int = 256 * 1024 * 1024
     """Max bytes in one flat broadcast bucket."""
+    first_bucket_bytes: int = 32 * 1024 * 1024
+    """The buckets ramp up from this size to bucket_bytes and back down (each 3x the one before):
+    the first bucket is packed before any byte leaves and the last one loaded after the last
+    arrives, so small ones there shorten the sync; 0 (or >= bucket_bytes): every bucket full."""
     timeout_s: float = 120.0
     """Timeout of the group rendezvous and of every collective."""
     dtype: str | None = None

@@ -71,6 +71,7 @@ def manifest_to_proto(m: Manifest) -> pb.Manifest:
         policy_version=m.policy_version,
         bucket_bytes=m.bucket_bytes,
         total_bytes=m.total_bytes,
+        first_bucket_bytes=m.first_bucket_bytes,
         tensors=[pb.TensorSpec(name=t.name, shape=list(t.shape), dtype=t.dtype) for t in m.tensors],
         buckets=[
             pb.BucketPlan(
@@ -92,6 +93,7 @@ def manifest_from_proto(p: pb.Manifest) -> Manifest:
         policy_version=p.policy_version,
         bucket_bytes=p.bucket_bytes,
         total_bytes=p.total_bytes,
+        first_bucket_bytes=p.first_bucket_bytes,
         tensors=tuple(TensorSpec(t.name, tuple(t.shape), t.dtype) for t in p.tensors),
         buckets=tuple(
             BucketPlan(

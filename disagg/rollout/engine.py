@@ -166,6 +166,7 @@ class EngineActor(EngineSync, EnginePeers):
             **vllm_api.memory_args(self.cfg.gpu_memory_utilization),
             max_num_seqs=self.cfg.max_num_seqs,
             enforce_eager=self.cfg.enforce_eager,
+            **vllm_api.cudagraph_args(self.cfg.max_cudagraph_capture_size),
             tensor_parallel_size=self.cfg.tensor_parallel_size,
             distributed_executor_backend=vllm_api.executor_backend(self.cfg.tensor_parallel_size),
             seed=self.seed,
@@ -215,7 +216,8 @@ class EngineActor(EngineSync, EnginePeers):
                 "vllm_version": vllm_api.vllm_version(), "in_flight_at_sync": self._mode,
                 "token_version_sources": self._version_sources,
                 "kv_block_size": vllm_api.kv_block_size(self._engine),
-                "engine_core_start": core_start, "dynamo": dynamo}
+                "engine_core_start": core_start, "dynamo": dynamo,
+                "cudagraph_max_size": vllm_api.cudagraph_max_size(self._engine)}
 
     def _resolve_in_flight_mode(self, requested: str) -> str:
         """``requested`` resolved for this engine's token-version sources (found once, at start)."""

@@ -109,6 +109,21 @@ def memory_args(fraction: float) -> dict[str, Any]:
     return {"gpu_memory_utilization": fraction, "kv_cache_memory_bytes": int(fraction * _node_memory_bytes())}
 
 
+def cudagraph_args(max_size: int | None) -> dict[str, Any]:
+    """vLLM's settings for ``rollout.max_cudagraph_capture_size``: the largest decode batch it
+    captures a CUDA graph for (``compilation_config``, a dict on 0.26 and 0.32). Unset, vLLM caps
+    it at min(2 x max_num_seqs, 512) (1024 on data-centre Blackwell): a batch beyond it decodes
+    without graphs, as a stream of 256 groups of 4 samples did on two H200s."""
+    return {} if max_size is None else {"compilation_config": {"max_cudagraph_capture_size": int(max_size)}}
+
+
+def cudagraph_max_size(engine) -> int | None:
+    """The largest decode batch the engine's config gives a CUDA graph, as vLLM resolved it (on a GPU
+    its default, e.g. 512, where unset; None on CPU where unset; with eager kernels none is captured)."""
+    size = engine.vllm_config.compilation_config.max_cudagraph_capture_size
+    return None if size is None else int(size)
+
+
 def engine_env(device: str, enforce_eager: bool) -> dict[str, str]:
     """Environment variables for an engine actor's processes (its engine core and workers inherit them).
 

@@ -53,7 +53,8 @@ class TrainerPush:
         from disagg.transport.sync import model_manifest
 
         if self._manifest is None:
-            self._manifest = model_manifest(self.model, self.transport_cfg.bucket_bytes, 0, self.transport_cfg.dtype)
+            cfg = self.transport_cfg
+            self._manifest = model_manifest(self.model, cfg.bucket_bytes, 0, cfg.dtype, cfg.first_bucket_bytes)
         return self._manifest
 
     def _take_snapshot(self, policy_version: int):

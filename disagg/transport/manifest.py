@@ -32,6 +32,12 @@ DTYPE_BYTES: dict[str, int] = {
 }
 
 
+# How much larger each bucket of a ramp may be than the one before (``plan_buckets``): on a GPU
+# the sender packs (fp32 -> bf16) and a receiver copies at about three times NCCL's NVLink rate,
+# so a bucket three times the size is ready, or loaded, while the one beside it is on the wire.
+RAMP_GROWTH = 3
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     """One tensor as the receiver's model names it."""
@@ -90,6 +96,7 @@ class Manifest:
     tensors: tuple[TensorSpec, ...]
     buckets: tuple[BucketPlan, ...]
     total_bytes: int = field(default=0)
+    first_bucket_bytes: int = 0  # the ramp's first bucket (``plan_buckets``); 0: no ramp
 
     @functools.cached_property
     def _digest(self) -> str:
@@ -105,7 +112,8 @@ class Manifest:
         """The same layout at another version. The digest is computed here once, on the manifest every
         version is made from, and carried over: hashing the layout costs about a millisecond for ~340
         tensors, on the critical path of every sync on each side."""
-        m = Manifest(policy_version, self.bucket_bytes, self.tensors, self.buckets, self.total_bytes)
+        m = Manifest(policy_version, self.bucket_bytes, self.tensors, self.buckets, self.total_bytes,
+                     self.first_bucket_bytes)
         m.__dict__["_digest"] = self._digest
         return m
 
@@ -120,6 +128,7 @@ class Manifest:
             "policy_version": self.policy_version,
             "bucket_bytes": self.bucket_bytes,
             "total_bytes": self.total_bytes,
+            "first_bucket_bytes": self.first_bucket_bytes,
             "tensors": [[t.name, list(t.shape), t.dtype] for t in self.tensors],
             "buckets": [
                 [b.index, b.dtype, b.numel, [[e.name, e.tensor_offset, e.bucket_offset, e.numel] for e in b.entries]]
@@ -133,6 +142,7 @@ class Manifest:
             policy_version=int(d["policy_version"]),
             bucket_bytes=int(d["bucket_bytes"]),
             total_bytes=int(d["total_bytes"]),
+            first_bucket_bytes=int(d.get("first_bucket_bytes", 0)),
             tensors=tuple(TensorSpec(n, tuple(int(x) for x in s), dt) for n, s, dt in d["tensors"]),
             buckets=tuple(
                 BucketPlan(int(i), dt, int(n), tuple(BucketEntry(en, int(to), int(bo), int(ne)) for en, to, bo, ne in ents))
@@ -141,7 +151,8 @@ class Manifest:
         )
 
 
-def plan_buckets(specs: list[TensorSpec], bucket_bytes: int, policy_version: int = 0) -> Manifest:
+def plan_buckets(specs: list[TensorSpec], bucket_bytes: int, policy_version: int = 0,
+                 first_bucket_bytes: int = 0) -> Manifest:
     """Lay tensors out in flat single-dtype buckets of at most ``bucket_bytes``.
 
     Tensors keep their order within a dtype; dtypes are laid out in order of first
@@ -150,9 +161,21 @@ def plan_buckets(specs: list[TensorSpec], bucket_bytes: int, policy_version: int
     one, so receivers get it as a view of the bucket (no reassembly copy). Only a
     tensor larger than a bucket is split, into consecutive full buckets starting
     with a fresh one (its last part may share a bucket with what follows). Pure.
+
+    ``first_bucket_bytes`` (0: off): each dtype's buckets ramp up from it and back down to it, the
+    size limit growing ``RAMP_GROWTH``-fold bucket by bucket up to ``bucket_bytes``, then shrinking
+    as fast over the last buckets (each at most ``(RAMP_GROWTH - 1) / RAMP_GROWTH`` of what is left,
+    never below the first's size). The sender packs a bucket before it goes on the wire and a
+    receiver loads it after it arrived: with a small first and last bucket the wire starts sooner
+    and the last load ends sooner, while a bucket's packing (or loading) still takes less time than
+    the broadcast beside it. Within the ramps the size limit is the ramp's, so a tensor may be
+    split there that a full bucket would hold.
     """
     if bucket_bytes <= 0:
         raise ValueError(f"transport.bucket_bytes must be > 0, got {bucket_bytes}")
+    if first_bucket_bytes < 0:
+        raise ValueError(f"transport.first_bucket_bytes must be >= 0 (0: no ramp), got {first_bucket_bytes}")
+    ramp = 0 < first_bucket_bytes < bucket_bytes
     seen: set[str] = set()
     by_dtype: dict[str, list[TensorSpec]] = {}
     for s in specs:
@@ -165,17 +188,32 @@ def plan_buckets(specs: list[TensorSpec], bucket_bytes: int, policy_version: int
 
     buckets: list[BucketPlan] = []
     for dtype, group in by_dtype.items():
-        cap = bucket_bytes // DTYPE_BYTES[dtype]
-        if cap == 0:
+        full = bucket_bytes // DTYPE_BYTES[dtype]
+        if full == 0:
             raise ValueError(f"transport.bucket_bytes={bucket_bytes} is smaller than one {dtype} element")
+        first = max(1, first_bucket_bytes // DTYPE_BYTES[dtype]) if ramp else full
+        left = sum(s.numel for s in group)  # elements of this dtype not yet in a closed bucket
+        opened = 0  # buckets of this dtype so far
+
+        def limit() -> int:
+            """The size limit of the bucket being filled: the ramp's up, then down, else full."""
+            if not ramp:
+                return full
+            up = first * RAMP_GROWTH ** min(opened, 40)
+            down = max(first, -(-left * (RAMP_GROWTH - 1) // RAMP_GROWTH))
+            return min(full, up, down)
+
         entries: list[BucketEntry] = []
         fill = 0
+        cap = limit()
 
         def close() -> None:
-            nonlocal entries, fill
+            nonlocal entries, fill, opened, left, cap
             if entries:
                 buckets.append(BucketPlan(len(buckets), dtype, fill, tuple(entries)))
+                opened, left = opened + 1, left - fill
             entries, fill = [], 0
+            cap = limit()
 
         for s in group:
             if fill and s.numel > cap - fill:
@@ -191,7 +229,8 @@ def plan_buckets(specs: list[TensorSpec], bucket_bytes: int, policy_version: int
         close()
 
     total = sum(s.nbytes for s in specs)
-    return Manifest(policy_version, bucket_bytes, tuple(specs), tuple(buckets), total)
+    return Manifest(policy_version, bucket_bytes, tuple(specs), tuple(buckets), total,
+                    first_bucket_bytes if ramp else 0)
 
 
 def layout_mismatch(sent: Sequence[TensorSpec], expected: Sequence[TensorSpec], limit: int = 5) -> list[str]:

@@ -98,11 +98,13 @@ def build_manifest(
     bucket_bytes: int,
     policy_version: int,
     dtype_override: str | None = None,
+    first_bucket_bytes: int = 0,
 ) -> Manifest:
     """Plan a manifest from names, shapes and dtypes (no data is read).
 
     A DTensor contributes its global shape. ``dtype_override`` (e.g. ``"bfloat16"``)
     applies to floating-point tensors only; integer and bool buffers keep theirs.
+    ``first_bucket_bytes``: the buckets' ramp (``plan_buckets``; 0: none).
     """
     if dtype_override is not None and not (
         dtype_override in DTYPE_BYTES and torch_dtype(dtype_override).is_floating_point
@@ -112,7 +114,7 @@ def build_manifest(
     for name, t in named_tensors:
         dtype = dtype_override if dtype_override and t.dtype.is_floating_point else dtype_name(t.dtype)
         specs.append(TensorSpec(name, tuple(int(d) for d in t.shape), dtype))
-    return plan_buckets(specs, bucket_bytes, policy_version)
+    return plan_buckets(specs, bucket_bytes, policy_version, first_bucket_bytes)
 
 
 class _TensorSource:

@@ -39,9 +39,11 @@ from disagg.transport.sender import BucketFill, SendStats, WeightSender, build_m
 SOURCES = ("gather", "shards")
 
 
-def model_manifest(model: torch.nn.Module, bucket_bytes: int, policy_version: int, dtype: str | None = None) -> Manifest:
-    """The full-tensor manifest of ``model`` (DTensors contribute their global shape)."""
-    return build_manifest(model.named_parameters(), bucket_bytes, policy_version, dtype)
+def model_manifest(model: torch.nn.Module, bucket_bytes: int, policy_version: int, dtype: str | None = None,
+                   first_bucket_bytes: int = 0) -> Manifest:
+    """The full-tensor manifest of ``model`` (DTensors contribute their global shape); its buckets
+    ramp from ``first_bucket_bytes`` (``plan_buckets``; 0: none)."""
+    return build_manifest(model.named_parameters(), bucket_bytes, policy_version, dtype, first_bucket_bytes)
 
 
 def shard_sizes(dim0: int, num_sources: int) -> list[int]:
@@ -56,7 +58,7 @@ def shard_sizes(dim0: int, num_sources: int) -> list[int]:
 
 
 def source_manifests(full: Manifest, num_sources: int) -> list[Manifest]:
-    """One manifest per source: its shard of every tensor, bucketed like ``full``.
+    """One manifest per source: its shard of every tensor, bucketed like ``full`` (its ramp too).
 
     A 0-dim tensor cannot be sharded: source 0 sends it whole.
     """
@@ -71,7 +73,7 @@ def source_manifests(full: Manifest, num_sources: int) -> list[Manifest]:
             n = shard_sizes(t.shape[0], num_sources)[r]
             if n:
                 specs.append(TensorSpec(t.name, (n, *t.shape[1:]), t.dtype))
-        out.append(plan_buckets(specs, full.bucket_bytes, full.policy_version))
+        out.append(plan_buckets(specs, full.bucket_bytes, full.policy_version, full.first_bucket_bytes))
     return out
 
 

@@ -66,7 +66,8 @@ def job(ray_session, model_cache, tmp_path_factory):
     j = start_job(model_cache, tmp_path_factory.mktemp("gpu-run"), [
         "trainer.lr=3e-2", "rollout.max_model_len=2048", "model.tiny.max_position_embeddings=2048",
         "rollout.max_num_seqs=128", "rollout.in_flight_at_sync=resubmit",  # keep: test_keep_counts.py
-        "transport.bucket_bytes=49152"])  # smaller than an MLP weight: syncs carry tensors split over buckets
+        # smaller than an MLP weight: syncs carry tensors split over buckets, which ramp up from 6 KiB
+        "transport.bucket_bytes=49152", "transport.first_bucket_bytes=6144"])
     yield j
     j.shutdown()
 

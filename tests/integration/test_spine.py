@@ -19,8 +19,12 @@ def job(ray_session, model_cache, tmp_path_factory):
     from disagg.job import Job
     from disagg.model.warmstart import prepare_model
 
-    # A large learning rate so one optimizer step visibly moves the policy.
-    cfg = small_config(model_cache, trainer={"lr": 5e-2, "grad_clip": 0.0}, transport={"bucket_bytes": 300_000})
+    # A large learning rate so one optimizer step visibly moves the policy. Buckets ramp from 40 kB
+    # up to 300 kB and back (transport.first_bucket_bytes): tensors split at the ramps' edges too.
+    # rollout.max_cudagraph_capture_size reaches vLLM's config (CPU captures no graphs).
+    cfg = small_config(model_cache, trainer={"lr": 5e-2, "grad_clip": 0.0},
+                       transport={"bucket_bytes": 300_000, "first_bucket_bytes": 40_000},
+                       rollout={"max_cudagraph_capture_size": 24})
     run_dir = tmp_path_factory.mktemp("spine-run")
     j = Job.start(cfg, run_dir, prepare_model(cfg))
     yield j
@@ -73,6 +77,11 @@ def test_vllm_greedy_matches_hf_before_and_after_an_optimizer_step(job, tok):
 
     res1, v1, hf1, vlp1, hflp1 = _vllm_vs_hf(job, tok, "g1")
     assert v1 == hf1
+    # (the weights came in buckets ramping 40 kB -> 120 kB -> 300 kB and back down)
+    from disagg.transport.manifest import Manifest
+
+    sizes = [b.nbytes for b in Manifest.from_dict(ray.get(job.trainer.rank0.manifest.remote(1))).buckets]
+    assert sizes[0] <= 40_000 < sizes[1] <= 120_000 < max(sizes) <= 300_000 and sizes[-1] <= 40_000, sizes
     for a, b in zip(vlp1, hflp1):
         assert a == pytest.approx(b, abs=2e-4)
 
@@ -127,6 +136,12 @@ def test_a_cpu_engine_with_eager_kernels_runs_without_dynamo(job):
     engine-vs-trainer log-prob tests in this module run on it."""
     assert job.cfg.rollout.enforce_eager
     assert [i["dynamo"] for i in job.rollout.start_info] == ["off"] * len(job.rollout.start_info)
+
+
+def test_the_largest_cuda_graph_batch_reaches_vllms_config(job):
+    """rollout.max_cudagraph_capture_size (on GPUs: a stream of more sequences than vLLM's default
+    512 decodes with graphs) is what each engine's vLLM resolved."""
+    assert [i["cudagraph_max_size"] for i in job.rollout.start_info] == [24] * len(job.rollout.start_info)
 
 
 def test_a_cpu_engine_knows_token_versions_two_ways_and_keeps_requests_at_a_sync(job):

@@ -59,7 +59,8 @@ def _wire(backend: str) -> str:
 
 
 def _trainer(rank: int, world: int, receivers: int, ports: list[int], fsdp_port: int, source: str,
-             corrupt: bool, backend: str, out: mp.Queue, started, overlap: bool = False, delta: bool = False) -> None:
+             corrupt: bool, backend: str, out: mp.Queue, started, overlap: bool = False, delta: bool = False,
+             first_bucket_bytes: int = 0) -> None:
     from disagg.transport.group import create_group
     from disagg.transport.sync import model_manifest, send_model, source_groups_needed
 
@@ -76,7 +77,7 @@ def _trainer(rank: int, world: int, receivers: int, ports: list[int], fsdp_port:
         for layer in net.layers:
             fully_shard(layer)
         fully_shard(net)
-    full = model_manifest(net, BUCKET_BYTES, policy_version=5)
+    full = model_manifest(net, BUCKET_BYTES, policy_version=5, first_bucket_bytes=first_bucket_bytes)
     started.wait(timeout=START_TIMEOUT_S)  # everyone is up: the rendezvous timeout times the rendezvous alone
     group = None
     if rank < source_groups_needed(source, world):
@@ -102,7 +103,8 @@ def _trainer(rank: int, world: int, receivers: int, ports: list[int], fsdp_port:
     staged = sorted({str(b.device) for slot in sender._slots for b in slot.values()}) if sender else []
     out.put({"role": "trainer", "rank": rank, "weights": full_weights, "staged_on": staged,
              "sent": None if stats is None else stats.bytes, "manifest_bytes": full.total_bytes,
-             "changed": None if stats is None else stats.changed_fraction})
+             "changed": None if stats is None else stats.changed_fraction,
+             "bucket_sizes": [b.nbytes for b in full.buckets]})
     if group is not None:
         group.barrier()
         group.destroy()
@@ -175,7 +177,8 @@ def _send_snapshot_while_training(net, group, full, source, rank, world, sender,
 
 
 def _receiver(index: int, receivers: int, num_groups: int, ports: list[int], source: str, verify: bool,
-              backend: str, first_device: int, out: mp.Queue, started, delta: bool = False) -> None:
+              backend: str, first_device: int, out: mp.Queue, started, delta: bool = False,
+              first_bucket_bytes: int = 0) -> None:
     from disagg.errors import ChecksumError
     from disagg.transport.group import create_group
     from disagg.transport.receiver import TorchModelReceiver
@@ -189,7 +192,7 @@ def _receiver(index: int, receivers: int, num_groups: int, ports: list[int], sou
     started.wait(timeout=START_TIMEOUT_S)
     groups = [create_group(host=HOST, port=ports[r], rank=1 + index, world_size=1 + receivers, backend=_wire(backend),
                            timeout_s=TIMEOUT_S, group_name=f"s{r}", device=device) for r in range(num_groups)]
-    full = model_manifest(net, BUCKET_BYTES, policy_version=5)
+    full = model_manifest(net, BUCKET_BYTES, policy_version=5, first_bucket_bytes=first_bucket_bytes)
     load = TorchModelReceiver.load_into_module(net)
     rejected = None
     try:
@@ -214,10 +217,11 @@ def _receiver(index: int, receivers: int, num_groups: int, ports: list[int], sou
 
 
 def _run(trainers: int, source: str, corrupt: bool = False, backend: str = "gloo", receivers: int = 2,
-         overlap: bool = False, delta: bool = False, first_receiver_gpu: int | None = None) -> list[dict]:
+         overlap: bool = False, delta: bool = False, first_receiver_gpu: int | None = None,
+         first_bucket_bytes: int = 0) -> list[dict]:
     """Spawn the trainers and receivers (on NCCL: one GPU each, trainers first; ``first_receiver_gpu``
     puts the receivers from that GPU on instead, beside a trainer that shares no group with them)
-    and collect their reports."""
+    and collect their reports. ``first_bucket_bytes``: the buckets ramp from it (``plan_buckets``)."""
     from disagg.transport.group import pick_free_port
     from disagg.transport.sync import source_groups_needed
 
@@ -228,10 +232,12 @@ def _run(trainers: int, source: str, corrupt: bool = False, backend: str = "gloo
     ports = [pick_free_port(HOST) for _ in range(num_groups)]
     fsdp_port = pick_free_port(HOST)
     procs = [ctx.Process(target=_trainer, args=(r, trainers, receivers, ports, fsdp_port, source, corrupt, backend,
-                                                out, started, overlap, delta)) for r in range(trainers)]
+                                                out, started, overlap, delta, first_bucket_bytes))
+             for r in range(trainers)]
     first = trainers if first_receiver_gpu is None else first_receiver_gpu
     procs += [ctx.Process(target=_receiver, args=(j, receivers, num_groups, ports, source, corrupt, backend, first,
-                                                  out, started, delta)) for j in range(receivers)]
+                                                  out, started, delta, first_bucket_bytes))
+              for j in range(receivers)]
     for p in procs:
         p.start()
     reports = []
@@ -270,6 +276,17 @@ def check_bit_identical(reports: list[dict], trainers: int, source: str) -> None
 @pytest.mark.parametrize("trainers, source", [(1, "gather"), (1, "shards"), (2, "gather"), (2, "shards")])
 def test_pipelined_sync_is_bit_identical(trainers, source):
     check_bit_identical(_run(trainers, source), trainers, source)
+
+
+@pytest.mark.parametrize("trainers, source", [(1, "gather"), (2, "shards")])
+def test_buckets_that_ramp_up_and_down_arrive_bit_identical(trainers, source):
+    """transport.first_bucket_bytes: the buckets grow from 256 bytes to the full 2048 and shrink
+    again; the tensors split at the ramps' edges (and each rank's shards, re-planned on both sides
+    with the same ramp) arrive exact."""
+    reports = _run(trainers, source, first_bucket_bytes=256)
+    check_bit_identical(reports, trainers, source)
+    sizes = next(r for r in reports if r["role"] == "trainer" and r["rank"] == 0)["bucket_sizes"]
+    assert sizes[0] == 256 and sizes[1] == 768 and max(sizes) == BUCKET_BYTES and sizes[-1] <= 256, sizes
 
 
 @pytest.mark.parametrize("trainers, source", [(1, "gather"), (2, "shards")])

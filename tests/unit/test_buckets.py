@@ -7,7 +7,7 @@ import torch
 
 from disagg.errors import TransportError
 from disagg.transport.buckets import Reassembler, pack_bucket, torch_dtype
-from disagg.transport.manifest import DTYPE_BYTES, Manifest, TensorSpec, plan_buckets
+from disagg.transport.manifest import DTYPE_BYTES, RAMP_GROWTH, Manifest, TensorSpec, plan_buckets
 from disagg.transport.sender import build_manifest
 
 # (specs, bucket_bytes): mixed dtypes, odd sizes, splits, exact fits, zero-element.
@@ -31,10 +31,11 @@ PLANNER_CASES = {
 }
 
 
+@pytest.mark.parametrize("first_bucket_bytes", [0, 8])
 @pytest.mark.parametrize("case", sorted(PLANNER_CASES))
-def test_planner_invariants(case: str) -> None:
+def test_planner_invariants(case: str, first_bucket_bytes: int) -> None:
     specs, bucket_bytes = PLANNER_CASES[case]
-    m = plan_buckets(specs, bucket_bytes, policy_version=3)
+    m = plan_buckets(specs, bucket_bytes, policy_version=3, first_bucket_bytes=first_bucket_bytes)
     spec_by_name = {s.name: s for s in specs}
     coverage = {s.name: [0] * s.numel for s in specs}
     order: list[str] = []
@@ -77,6 +78,44 @@ def test_a_tensor_that_fits_a_bucket_is_never_split(case: str) -> None:
             first = m.buckets[parts[s.name][0]]
             assert first.entries[0].name == s.name and first.entries[0].tensor_offset == 0
             assert len(parts[s.name]) == -(-s.nbytes // bucket_bytes)
+
+
+def _ramp_sizes(first: int, bucket_bytes: int, total: int, tensor_bytes: int) -> list[int]:
+    """The bucket sizes a ramp gives ``total`` bytes of equal float32 tensors of ``tensor_bytes``."""
+    n = total // tensor_bytes
+    specs = [TensorSpec(f"t{i}", (tensor_bytes // 4,), "float32") for i in range(n)]
+    m = plan_buckets(specs, bucket_bytes, policy_version=0, first_bucket_bytes=first)
+    assert m.first_bucket_bytes == first
+    return [b.nbytes for b in m.buckets]
+
+
+def test_the_buckets_ramp_up_from_the_first_size_and_back_down_to_it() -> None:
+    kib = 1024
+    sizes = _ramp_sizes(4 * kib, 64 * kib, 1024 * kib, kib)  # 1 MiB of 1 KiB tensors, 64 KiB buckets
+    # up: each limit RAMP_GROWTH times the one before, from the first size to the full one
+    assert sizes[:3] == [4 * kib, 4 * kib * RAMP_GROWTH, 4 * kib * RAMP_GROWTH**2]
+    assert sizes[3] == 64 * kib
+    # down: each bucket at most (g - 1) / g of what is left, so the last ones shrink to the first size
+    left = sum(sizes)
+    for size in sizes:
+        assert size <= max(4 * kib, -(-left * (RAMP_GROWTH - 1) // RAMP_GROWTH))
+        left -= size
+    assert sizes[-1] <= 4 * kib and sizes[-2] < sizes[-3] < 64 * kib
+    assert sum(sizes) == 1024 * kib and max(sizes) == 64 * kib
+    # no more than a few buckets beyond the plan without a ramp (16 full ones)
+    assert len(_ramp_sizes(0, 64 * kib, 1024 * kib, kib)) == 16 < len(sizes) <= 16 + 8
+
+
+@pytest.mark.parametrize("first", [0, 64 * 1024, 1 << 20])
+def test_a_ramp_from_a_full_bucket_or_none_plans_full_buckets(first: int) -> None:
+    plain = plan_buckets([TensorSpec("w", (50_000,), "float32")], 64 * 1024, 1)
+    ramped = plan_buckets([TensorSpec("w", (50_000,), "float32")], 64 * 1024, 1, first_bucket_bytes=first)
+    assert ramped.buckets == plain.buckets and ramped.first_bucket_bytes == 0
+
+
+def test_a_negative_first_bucket_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="first_bucket_bytes must be >= 0.*-1"):
+        plan_buckets([TensorSpec("w", (5,), "float32")], 64, 1, first_bucket_bytes=-1)
 
 
 def test_planner_closes_a_bucket_rather_than_split_a_tensor_that_fits() -> None:

@@ -65,6 +65,8 @@ def test_defaults_match_the_shipped_default_yaml():
         ({"rollout": {"load_format": "auto"}}, "rollout.load_format='auto'"),
         ({"cluster": {"device": "tpu"}}, "cluster.device='tpu'"),
         ({"transport": {"bucket_bytes": 0}}, "transport.bucket_bytes=0"),
+        ({"transport": {"first_bucket_bytes": -1}}, "transport.first_bucket_bytes=-1"),
+        ({"rollout": {"max_cudagraph_capture_size": 0}}, "rollout.max_cudagraph_capture_size=0"),
         ({"model": {"tiny": {"hidden_size": 32, "num_heads": 2}}}, "head_dim"),
         ({"model": {"path": "/nonexistent/model"}}, "model.path='/nonexistent/model'"),
         ({"trainer": {"bogus": 1}}, "trainer.bogus"),

@@ -16,18 +16,19 @@ def _wire(msg):
     return type(msg).FromString(msg.SerializeToString())
 
 
-def _manifest(bucket_bytes: int = 64, policy_version: int = 7):
+def _manifest(bucket_bytes: int = 64, policy_version: int = 7, first_bucket_bytes: int = 0):
     specs = [
         TensorSpec("embed.weight", (10, 4), "float32"),  # 160 bytes: split over 3 buckets of 64
         TensorSpec("ln.weight", (4,), "bfloat16"),
         TensorSpec("head.bias", (3,), "float32"),
         TensorSpec("scale", (), "float32"),  # a scalar: empty shape
     ]
-    return plan_buckets(specs, bucket_bytes, policy_version)
+    return plan_buckets(specs, bucket_bytes, policy_version, first_bucket_bytes)
 
 
-def test_manifest_round_trip_keeps_split_tensors_and_digest():
-    m = _manifest()
+@pytest.mark.parametrize("first_bucket_bytes", [0, 16])
+def test_manifest_round_trip_keeps_split_tensors_and_digest(first_bucket_bytes):
+    m = _manifest(first_bucket_bytes=first_bucket_bytes)
     split = [e for b in m.buckets for e in b.entries if e.name == "embed.weight"]
     assert len(split) >= 3 and sum(e.numel for e in split) == 40  # the case under test is really split
 
@@ -37,6 +38,7 @@ def test_manifest_round_trip_keeps_split_tensors_and_digest():
     assert back.layout_digest() == m.layout_digest()
     assert back.spec("scale").shape == ()
     assert back.policy_version == 7 and back.total_bytes == m.total_bytes > 0
+    assert back.first_bucket_bytes == first_bucket_bytes  # a receiver re-plans shards with it
 
 
 def test_manifest_conversion_is_not_lossy_on_large_offsets():
