@@ -214,6 +214,18 @@ class Job:
         """Announce ``policy_version`` and broadcast it to every engine; returns when all acked."""
         return self.finish_sync(self.start_sync(policy_version, trainer_step))
 
+    def replan_buckets(self, first_bucket_bytes: int) -> int:
+        """Benchmarks: the trainer's next pushes go out in buckets that ramp from ``first_bucket_bytes``
+        (``TrainerPush.replan_buckets``; 0: none): a new layout, whose manifest the next announce
+        carries. Not with a sync armed. The new layout's bucket count (trainer rank 0's)."""
+        if self.armed is not None:
+            raise TransportError(f"replan_buckets: a receive of version {self.armed.policy_version} is armed")
+        counts = ray_get_logged([self.trainer.transport_method(w, "replan_buckets").remote(first_bucket_bytes)
+                                 for w in range(len(self.trainer.workers))], what="re-planning the buckets",
+                                timeout_s=self.cfg.transport.timeout_s, log=log)
+        self._manifest = None
+        return counts[0]
+
     def arm_sync(self, policy_version: int, timeout_s: float) -> None:
         """Put every engine's receive of ``policy_version`` on the transport group now, before the trainer
         has the version (while the engines would be idle: a sync loop's train step). The engine stops

@@ -33,6 +33,10 @@ host's clock; the engine core steps again from there), without the answers' way 
              its pinned host memory; timed apart), then gather_metas and update on every rank (host ->
              GPU, NCCL broadcast, CUDA IPC into vLLM's worker), from the driver's dispatch until all are done
 
+With ``--first-buckets 0,32M`` the blocks run once per value of ``transport.first_bucket_bytes`` (the
+buckets' ramp; 0: every bucket full), the trainer re-planning its buckets between passes
+(``Job.replan_buckets``): each layout's syncs side by side in one run, labelled with it.
+
 and reports medians: each mode's seconds, raw / sync (the share of the raw rate a sync reaches), the
 fixed cost (sync - raw), the phases, and the peer's seconds against disagg's fastest mode. Nothing
 here is a timed test.
@@ -97,6 +101,7 @@ class VllmSyncOptions:
     delta: bool = False  # a job with transport.delta=on: the blocks dense, then dense and delta after real steps
     delta_lr: float = 1e-6  # --delta: the trainer's AdamW learning rate (its steps make the versions)
     nccl_socket: bool = False  # NCCL over its socket transport (no NVLink, no shared memory): two nodes' stand-in
+    first_buckets: tuple[int, ...] = ()  # transport.first_bucket_bytes values, each a pass of the blocks; (): the config's
 
 
 def resolve_options(given: dict[str, Any], gpus: int) -> VllmSyncOptions:
@@ -206,7 +211,13 @@ def run(o: VllmSyncOptions) -> dict[str, Any]:
         peer_s: list[float] = []
         blocks = [(m, armed, False) for m in o.loads for armed in ((False, True) if o.armed else (False,))]
         blocks += [(o.loads[0], False, True)] if o.snapshot else []
-        syncs: dict[str, list[dict[str, Any]]] = {_label(m, a, snap): [] for m, a, snap in blocks}
+        ramps = o.first_buckets or (cfg.transport.first_bucket_bytes,)
+        named = len(ramps) > 1  # the labels say which layout
+
+        def label_of(mode: str, armed: bool, from_snapshot: bool, first: int) -> str:
+            return _label(mode, armed, from_snapshot) + (f", {_ramp_label(first)}" if named else "")
+
+        syncs: dict[str, list[dict[str, Any]]] = {label_of(m, a, snap, f): [] for f in ramps for m, a, snap in blocks}
         snapshots: list[dict[str, float]] = []
         resolved = {}
         peer_info = _peer_init(job, cfg, o.peer) if o.peer else None
@@ -218,8 +229,10 @@ def run(o: VllmSyncOptions) -> dict[str, Any]:
 
         # Each mode in a block of its own (a direct load replays its copy plan from the second sync of
         # a block on: the first learns it), each timed sync beside a raw broadcast of the same bytes.
-        for mode, armed, from_snapshot in blocks:
-            label = _label(mode, armed, from_snapshot)
+        for first, (mode, armed, from_snapshot) in ((f, b) for f in ramps for b in blocks):
+            label = label_of(mode, armed, from_snapshot, first)
+            if named and report.setdefault("layouts", {}).get(_ramp_label(first)) is None:
+                report["layouts"][_ramp_label(first)] = job.replan_buckets(first)  # its bucket count
             resolved[mode] = ray.get([e.set_load_mode.remote(mode) for e in engines], timeout=60)[0]
             for i in range(o.warmup + o.repeats):
                 if o.delta:  # the weights did not change: these blocks time dense syncs
@@ -279,7 +292,8 @@ def _timed_sync(job, raw, version: int, armed: bool, from_snapshot: bool,
     s = job.finish_sync(job.start_sync(version, trainer_step=version - 1, from_snapshot=from_snapshot))
     plan = ray.get(job.rollout.engines[0].get_transfer_stats.remote(), timeout=60).get("copy_plan", "")
     return r, {"seconds": s.seconds, "send_s": s.send_s, "phases": s.engine_phases, "timeline": s.timeline,
-               "copy_plan": plan, "wire_bytes": s.wire_bytes if s.wire_bytes is not None else s.bytes,
+               "copy_plan": plan, "num_buckets": s.num_buckets,
+               "wire_bytes": s.wire_bytes if s.wire_bytes is not None else s.bytes,
                "bytes": s.bytes, "changed_fraction": s.changed_fraction}
 
 
@@ -378,6 +392,34 @@ def _label(mode: str, armed: bool, from_snapshot: bool = False) -> str:
     return f"{mode}, armed" if armed else f"{mode}, {SNAPSHOT}" if from_snapshot else mode
 
 
+def _ramp_label(first_bucket_bytes: int) -> str:
+    """How a block's buckets were laid out (``--first-buckets``)."""
+    return f"buckets ramp from {_size_text(first_bucket_bytes)}" if first_bucket_bytes else "buckets all full"
+
+
+def _size_text(n: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift} {unit}"
+    return f"{n} B"
+
+
+def parse_sizes(text: str) -> tuple[int, ...]:
+    """``--first-buckets``: comma-separated byte counts, each with an optional K, M or G (binary):
+    ``0,32M`` -> (0, 33554432). ``ValueError`` naming the bad item."""
+    out = []
+    for item in text.split(","):
+        item = item.strip()
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(item[-1:].upper(), 1)
+        digits = item[:-1] if scale > 1 else item
+        if not digits.isdigit():
+            raise ValueError(f"--first-buckets: {item!r} is not a byte count (e.g. 0, 32M, 512K)")
+        out.append(int(digits) * scale)
+    if len(set(out)) != len(out):
+        raise ValueError(f"--first-buckets: {text!r} names a size twice")
+    return tuple(out)
+
+
 def _peer_init(job, cfg, peer: str) -> dict[str, Any]:
     """vllm-nccl: vLLM's own NCCL group between trainer rank 0 and every engine worker; its update info.
     checkpoint-engine: its ParameterServer, rank 0 in the trainer worker, rank 1 + i in engine actor i."""
@@ -438,6 +480,8 @@ def render(report: dict[str, Any]) -> None:
     for col in ("measured", "seconds", "GB/s", "raw / this"):
         table.add_column(col, justify="left" if col == "measured" else "right")
     table.add_row("raw broadcast, same group", f"{report['raw_s']:.4f}", f"{gb / report['raw_s']:.2f}", "1.00")
+    for layout, n in report.get("layouts", {}).items():  # --first-buckets: the layouts side by side
+        table.add_row(f"layout: {layout} ({n} buckets)", "", "", "")
     for mode, m in report["modes"].items():
         table.add_row(f"sync, load={mode}: announce -> serving", f"{m['seconds']:.4f}", f"{gb / m['seconds']:.2f}",
                       f"{m['raw_vs_sync']:.2f}")
@@ -512,12 +556,19 @@ def main(argv: list[str]) -> int:
                    help="--delta: the trainer's learning rate (default %(default)g)")
     p.add_argument("--nccl-socket", action="store_true",
                    help="NCCL over its socket transport (NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1): two nodes' stand-in")
+    p.add_argument("--first-buckets", default=None, metavar="SIZES",
+                   help="run the blocks once per transport.first_bucket_bytes in this list (e.g. 0,32M: "
+                        "without and with the buckets' ramp), side by side")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the report as JSON")
     p.add_argument("overrides", nargs="*", metavar="key=value",
                    help="`disagg train` overrides (e.g. shape=qwen2.5-1.5b cluster=gpu)")
     a = vars(p.parse_args(argv))
     json_path = a.pop("json")
     a["loads"] = tuple(a["loads"].split(",")) if a["loads"] else ()
+    try:
+        a["first_buckets"] = parse_sizes(a["first_buckets"]) if a["first_buckets"] else ()
+    except ValueError as e:
+        p.error(str(e))
     a["overrides"] = tuple(a["overrides"])
     bad = [x for x in a["overrides"] if "=" not in x]
     if bad:

@@ -90,6 +90,19 @@ class TrainerPush:
         activity) and is written to ``path`` as a Chrome trace: where its time goes, step by step."""
         self._trace_path = path
 
+    def replan_buckets(self, first_bucket_bytes: int) -> int:
+        """Benchmarks: lay the next pushes' buckets out with ``transport.first_bucket_bytes`` =
+        ``first_bucket_bytes`` (0: no ramp), side by side with another layout in one run
+        (``disagg bench vllm-sync --first-buckets``); the new layout's bucket count. The engines take
+        its manifest at its first sync (a new layout digest), and a delta image holds nothing of it."""
+        import dataclasses
+
+        self.transport_cfg = dataclasses.replace(self.transport_cfg, first_bucket_bytes=first_bucket_bytes)
+        self._manifest = self._push_manifest = None
+        if self.delta_image is not None:
+            self.delta_image.invalidate()
+        return len(self._layout().buckets)
+
     def next_push_as(self, kind: str) -> None:
         """Benchmarks: the next push goes ``dense`` or as a ``delta`` (against the version the engines
         hold; dense where they hold none) whatever ``transport.delta`` would choose: a delta job's

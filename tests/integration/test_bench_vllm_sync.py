@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from disagg.bench.vllm_sync import SEQUENTIAL, resolve_options, summarise
+from disagg.bench.vllm_sync import SEQUENTIAL, parse_sizes, resolve_options, summarise
 from disagg.rollout.types import TIMELINE, SyncReport, sync_timeline
 
 
@@ -32,6 +32,14 @@ def test_options_pick_both_load_modes_and_a_gpu_preset_on_cuda_and_refuse_direct
     assert resolve_options({"device": "cuda", "nccl_socket": True}, gpus=2).nccl_socket
     with pytest.raises(ValueError, match="--nccl-socket needs --device cuda"):
         resolve_options({"device": "cpu", "nccl_socket": True}, gpus=0)
+
+
+def test_first_bucket_sizes_read_binary_units_and_a_bad_one_is_named():
+    assert parse_sizes("0,32M,512K,1G,300") == (0, 32 << 20, 512 << 10, 1 << 30, 300)
+    with pytest.raises(ValueError, match="'32MB' is not a byte count"):
+        parse_sizes("0,32MB")
+    with pytest.raises(ValueError, match="names a size twice"):
+        parse_sizes("32M,33554432")
 
 
 def test_summary_takes_medians_and_the_driver_share_is_what_no_engine_phase_covers():
@@ -144,3 +152,25 @@ def test_bench_vllm_sync_times_a_raw_broadcast_and_each_syncs_phases(tmp_path):
     assert d["wire_share"] == pytest.approx(sum(run["wire_bytes"] / run["bytes"] for run in delta) / 2)  # median of 2
     assert d["delta_serving_speedup"] == pytest.approx(d["dense_serving_s"] / d["delta_serving_s"])
     assert "delta after a step vs dense after a step" in proc.stdout
+
+
+@pytest.mark.timeout(400)
+def test_the_bench_runs_its_blocks_once_per_bucket_layout_side_by_side(tmp_path):
+    """--first-buckets 0,32K: the trainer re-plans its buckets between the passes (all full, then ramping
+    from 32 KiB to the 256 KiB buckets and back); the engine takes each new layout at its next sync."""
+    out = tmp_path / "vs.json"
+    cmd = [sys.executable, "-m", "disagg", "bench", "vllm-sync", "--device", "cpu", "--repeats", "1", "--warmup", "1",
+           "--no-snapshot", "--first-buckets", "0,32K", "--run-dir", str(tmp_path / "run"), "--json", str(out),
+           "transport.dtype=bfloat16", "transport.bucket_bytes=262144", "rollout.gpu_memory_utilization=0.06"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=360)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    full, ramp = "buckets all full", "buckets ramp from 32 KiB"
+    assert set(r["layouts"]) == {full, ramp} and r["layouts"][ramp] > r["layouts"][full] >= 2, r["layouts"]
+    for layout in (full, ramp):
+        for block in ("layerwise", "layerwise, armed"):
+            runs = r["syncs"][f"{block}, {layout}"]
+            # every byte of the version went, in that layout's buckets
+            assert len(runs) == 1 and [x["num_buckets"] for x in runs] == [r["layouts"][layout]], runs
+            assert runs[0]["bytes"] == r["bytes"] and r["modes"][f"{block}, {layout}"]["seconds"] > 0
+    assert f"layout: {ramp} ({r['layouts'][ramp]} buckets)" in proc.stdout
