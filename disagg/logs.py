@@ -89,14 +89,16 @@ def ray_get_logged(refs: Any, *, what: str, timeout_s: float, log: logging.Logge
 
 
 def traced(path: str | None, cuda: bool, call: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-    """``call()``'s figures; with ``path``, ``call`` runs under ``torch.profiler`` (host activity, and
-    the device's where ``cuda``), written to ``path`` as a Chrome trace and named in the figures'
-    ``trace`` (the benchmarks' ``--trace``: a sync's push and each engine worker's receive)."""
+    """``call()``'s figures; with ``path``, ``call`` runs under ``torch.profiler`` (host activity with
+    the Python calls that made it, and the device's where ``cuda``), written to ``path`` as a Chrome
+    trace and named in the figures' ``trace`` (the benchmarks' ``--trace``: a sync's push and each
+    engine worker's receive). The Python calls show where host time goes between the ops: a sync's
+    set-up and its waits are mostly Python."""
     if path is None:
         return call()
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []), with_stack=True) as prof:
         out = call()
     prof.export_chrome_trace(path)
     return {**out, "trace": path}
