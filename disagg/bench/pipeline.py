@@ -267,7 +267,8 @@ def long_tail(o: PipelineBenchOptions, run_dir: Path) -> dict[str, Any]:
         job.shutdown()
     # what a sync did with the requests in flight (rollout.in_flight_at_sync, as the engines chose it)
     out["in_flight_at_sync"] = job.rollout.start_info[0]["in_flight_at_sync"]
-    out["max_num_seqs"], out["cudagraph_max_size"] = cfg.rollout.max_num_seqs, job.rollout.start_info[0]["cudagraph_max_size"]
+    out["max_num_seqs"] = cfg.rollout.max_num_seqs
+    out["cudagraph_max_size"] = job.rollout.start_info[0]["cudagraph_max_size"]  # as vLLM resolved it
     rate = {mode: out[mode]["trained_tokens_per_s"] for mode, *_ in tail_runs(o)}
     for name, mode, base, _ in TAIL_RATIOS:
         if mode in rate and base in rate:  # the runs --tail-runs left out give no ratio

@@ -101,7 +101,7 @@ class VllmSyncOptions:
     delta: bool = False  # a job with transport.delta=on: the blocks dense, then dense and delta after real steps
     delta_lr: float = 1e-6  # --delta: the trainer's AdamW learning rate (its steps make the versions)
     nccl_socket: bool = False  # NCCL over its socket transport (no NVLink, no shared memory): two nodes' stand-in
-    first_buckets: tuple[int, ...] = ()  # transport.first_bucket_bytes values, each a pass of the blocks; (): the config's
+    first_buckets: tuple[int, ...] = ()  # transport.first_bucket_bytes, a pass of the blocks each; (): the config's
 
 
 def resolve_options(given: dict[str, Any], gpus: int) -> VllmSyncOptions:
