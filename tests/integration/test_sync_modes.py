@@ -306,6 +306,21 @@ def test_a_delta_sync_from_every_source_mode_arrives_bit_identical_in_a_share_of
     check_delta(_run(trainers, source, delta=True))
 
 
+@pytest.mark.parametrize("push", ["delta", "snapshot"])
+def test_deltas_and_snapshots_across_ramped_buckets_arrive_bit_identical(push):
+    """The buckets' ramp (transport.first_bucket_bytes: 256, 768, 2048 bytes and back down) under the
+    other two ways a push goes: each rank's shards as a delta (transport.delta=on), compared bucket by
+    bucket; a snapshot laid out as the ramped buckets, sent as views while the live weights change."""
+    if push == "delta":
+        reports = _run(2, "shards", delta=True, first_bucket_bytes=256)
+        check_delta(reports)
+    else:
+        reports = _run(1, "gather", overlap=True, first_bucket_bytes=256)
+        check_bit_identical(reports, 1, "gather")
+        assert [r["staged_on"] for r in reports if r["role"] == "trainer"] == [[]]  # views of the snapshot
+    assert next(r for r in reports if r["role"] == "trainer")["bucket_sizes"][:2] == [256, 768]
+
+
 def check_delta(reports: list[dict]) -> None:
     """What must hold after ``_run(..., delta=True)`` (shared with the NCCL test)."""
     senders = [r for r in reports if r["role"] == "trainer" and r["sent"] is not None]
