@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import logging
 import os
@@ -229,10 +230,11 @@ def run(o: VllmSyncOptions) -> dict[str, Any]:
 
         # Each mode in a block of its own (a direct load replays its copy plan from the second sync of
         # a block on: the first learns it), each timed sync beside a raw broadcast of the same bytes.
-        for first, (mode, armed, from_snapshot) in ((f, b) for f in ramps for b in blocks):
+        for first, block in itertools.product(ramps, blocks):
+            mode, armed, from_snapshot = block
             label = label_of(mode, armed, from_snapshot, first)
-            if named and report.setdefault("layouts", {}).get(_ramp_label(first)) is None:
-                report["layouts"][_ramp_label(first)] = job.replan_buckets(first)  # its bucket count
+            if named and block == blocks[0]:  # a layout's first block: the trainer re-plans its buckets
+                report.setdefault("layouts", {})[_ramp_label(first)] = job.replan_buckets(first)  # its bucket count
             resolved[mode] = ray.get([e.set_load_mode.remote(mode) for e in engines], timeout=60)[0]
             for i in range(o.warmup + o.repeats):
                 if o.delta:  # the weights did not change: these blocks time dense syncs
