@@ -104,7 +104,8 @@ class SyncReport:
     the worker's split of it (worker_receive_s: wire and loads, worker_load_s: loads,
     worker_reload_init_s, worker_finalize_s)."""
     layout_digest: str = ""  # the manifest's layout, for the coordinator's ack
-    copy_plan: str = ""  # direct loads: "learned" (vLLM's loader, recorded), "replayed", "loader"; else ""
+    copy_plan: str = ""  # direct loads: "learned" (vLLM's loader, recorded), "replayed" (a tensor at a time),
+    # "replayed by bucket" (a bucket at a time: copyplan.BucketReplay), "loader"; else ""
     stamps: dict[str, float] = field(default_factory=dict)
     """Unix clock readings of the sync's events on this engine (one host's clock: the driver places
     them on its timeline): engine_in, update_call, worker_in, wire_start (the sender's header

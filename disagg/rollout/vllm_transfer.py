@@ -34,6 +34,7 @@ This module is the only place that touches vLLM's model internals.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -46,10 +47,10 @@ from disagg.errors import ChecksumError, DeltaRefused, SyncCancelled
 from disagg.logs import traced
 from disagg.rollout import vllm_api
 from disagg.transport.buckets import PartLoader
-from disagg.transport.copyplan import CopyPlan, Recorded, learn
+from disagg.transport.copyplan import BucketReplay, CopyPlan, Recorded, learn
 from disagg.transport.delta import DeltaImage
 from disagg.transport.group import create_group, timed_raw_broadcasts
-from disagg.transport.manifest import Manifest
+from disagg.transport.manifest import BucketPlan, Manifest
 from disagg.transport.sync import armed_go, receive_model
 
 log = logging.getLogger("disagg.rollout.transfer")
@@ -171,7 +172,8 @@ class DisaggWeightTransferEngine(WeightTransferEngine[DisaggInitInfo, DisaggUpda
         plan = self._plans.get(key)
         if plan is not None:
             plan.apply(tensors)
-            self._plan_note = "replayed"
+            if self._plan_note != "replayed by bucket":  # (the zero-element tensors of a layout loaded by bucket)
+                self._plan_note = "replayed"
         elif key in self._plans or self._learning is None:  # the loader cannot be replayed
             self.model.load_weights(tensors)
         else:
@@ -189,6 +191,14 @@ class DisaggWeightTransferEngine(WeightTransferEngine[DisaggInitInfo, DisaggUpda
         self._plans[self._plan_key].apply_part(name, part, offset, last)
         self._times["load_s"] = self._times.get("load_s", 0.0) + time.perf_counter() - t0
         self._times["num_parts"] = self._times.get("num_parts", 0) + 1
+
+    def _load_bucket(self, replay: BucketReplay, bucket: BucketPlan, buf: torch.Tensor) -> int:
+        """A whole received bucket copied where the replayed plan puts its bytes (direct)."""
+        t0 = time.perf_counter()
+        completed = replay.load(bucket, buf)
+        self._times["load_s"] = self._times.get("load_s", 0.0) + time.perf_counter() - t0
+        self._times["whole_buckets"] = self._times.get("whole_buckets", 0) + 1
+        return completed
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # The base class ends with torch.accelerator.synchronize(), which raises on
@@ -236,9 +246,15 @@ class DisaggWeightTransferEngine(WeightTransferEngine[DisaggInitInfo, DisaggUpda
                     self._times["armed_go_unix_s"] = time.time()  # the sync's part starts here
         # A replayed plan copies each part of a tensor split over buckets as it arrives: no tensor
         # of up to a gigabyte (a 7B vocabulary) assembled on the engine's GPU first, and one copy less.
+        # Where the plan covers the whole layout, each bucket is loaded at once: one fused copy.
         plan = self._plans.get(self._plan_key) if self.load_mode == "direct" else None
-        parts = (PartLoader(plan.part_names, self._load_part)
-                 if plan is not None and not self.info.verify and self.images is None else None)
+        parts = None
+        if plan is not None and not self.info.verify and self.images is None:
+            replay = plan.bucket_replay(manifest)
+            parts = PartLoader(plan.part_names, self._load_part,
+                               bucket=None if replay is None else functools.partial(self._load_bucket, replay))
+            if replay is not None:
+                self._plan_note = "replayed by bucket"
         try:
             # A delta loads every tensor where vLLM's layerwise reload needs whole layers, and where a
             # copy plan is being learned (it must see every tensor); direct loads replay only what changed.

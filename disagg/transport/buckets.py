@@ -199,6 +199,11 @@ class PartLoader:
 
     names: frozenset[str]
     load: Callable[[str, torch.Tensor, int, bool], None]
+    # A whole received bucket at once, where the loader can (``copyplan.BucketReplay.load``):
+    # ``bucket(plan, buffer)`` loads every tensor and part the bucket holds and returns how many
+    # tensors it completed, or None to have the bucket reassembled (its tensors to ``load_fn``,
+    # its parts to ``load``). It takes every bucket of a layout or none.
+    bucket: Callable[[BucketPlan, torch.Tensor], int | None] | None = None
 
 
 class Reassembler:
@@ -226,7 +231,6 @@ class Reassembler:
         self._partial: dict[str, torch.Tensor] = {}
         self._received: dict[str, int] = {}
         self._fed: set[int] = set()
-        self._done: set[str] = set()
 
     def feed(self, plan: BucketPlan, buf: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         """Take one received bucket; return the tensors it completes, in entry order."""
@@ -247,7 +251,6 @@ class Reassembler:
             part = flat[e.bucket_offset : e.bucket_offset + e.numel]
             if e.numel == spec.numel:
                 completed.append((e.name, part.view(spec.shape)))
-                self._done.add(e.name)
                 continue
             if self._parts is not None and e.name in self._parts.names:
                 self._received[e.name] = self._received.get(e.name, 0) + e.numel
@@ -255,7 +258,6 @@ class Reassembler:
                 self._parts.load(e.name, part, e.tensor_offset, last)
                 if last:
                     del self._received[e.name]
-                    self._done.add(e.name)
                 continue
             whole = self._partial.get(e.name)
             if whole is None:
@@ -266,8 +268,17 @@ class Reassembler:
             if self._received[e.name] == spec.numel:
                 completed.append((e.name, self._partial.pop(e.name).view(spec.shape)))
                 del self._received[e.name]
-                self._done.add(e.name)
         return completed
+
+    def skip(self, plan: BucketPlan) -> list[tuple[str, torch.Tensor]]:
+        """Count bucket ``plan`` as received where the caller loaded it whole (``PartLoader.bucket``);
+        return the zero-element tensors, which come with the first bucket fed. A layout's buckets
+        all go through ``feed`` or all through this: a tensor split over buckets is not followed
+        from one to the other."""
+        if plan.index in self._fed:
+            raise ValueError(f"bucket {plan.index} was fed twice")
+        self._fed.add(plan.index)
+        return self._take_empty(self._device or torch.device("cpu")) if self._empty else []
 
     def finish(self) -> list[tuple[str, torch.Tensor]]:
         """Check every tensor was completed; return zero-element tensors not yet emitted.
@@ -277,7 +288,8 @@ class Reassembler:
         """
         missing_buckets = [p.index for p in self._manifest.buckets if p.index not in self._fed]
         if missing_buckets:
-            incomplete = [t.name for t in self._manifest.tensors if t.numel and t.name not in self._done]
+            missing = {e.name for p in self._manifest.buckets if p.index not in self._fed for e in p.entries}
+            incomplete = [t.name for t in self._manifest.tensors if t.name in missing]
             raise TransportError(
                 f"weight sync for policy_version={self._manifest.policy_version} is incomplete: "
                 f"{len(missing_buckets)} of {len(self._manifest.buckets)} buckets not received "
@@ -287,6 +299,5 @@ class Reassembler:
 
     def _take_empty(self, device: torch.device) -> list[tuple[str, torch.Tensor]]:
         out = [(t.name, torch.empty(t.shape, dtype=torch_dtype(t.dtype), device=device)) for t in self._empty]
-        self._done.update(t.name for t in self._empty)
         self._empty = []
         return out

@@ -72,8 +72,8 @@ def receive_weights(
     ``SyncCancelled``) with the group still in step.
 
     ``parts``: the tensors split over buckets it names go to it a part at a time, as their buckets
-    arrive, instead of being assembled and handed to ``load_fn`` (not with ``verify``, which
-    loads nothing before every bucket arrived intact).
+    arrive, instead of being assembled and handed to ``load_fn``; with its ``bucket``, whole buckets
+    at once (not with ``verify``, which loads nothing before every bucket arrived intact).
     """
     if group.rank == src:
         raise ValueError(f"receive_weights runs on receivers; rank {src} is the sender")
@@ -99,6 +99,7 @@ class _Receive:
         self.src, self.num_buffers, self.verify = src, num_buffers, verify
         self.buckets = manifest.buckets
         self.reassembler = Reassembler(manifest, device=device, parts=parts)
+        self.whole = parts.bucket if parts is not None else None  # loads a bucket at once, where it can
         self.slots = _slots(group, manifest, device, num_buffers)
         self.pending: dict[int, tuple[list, torch.Tensor, torch.Tensor | None]] = {}
         self.staged: list[tuple[str, torch.Tensor]] = []  # verify: every tensor, until all checksums passed
@@ -156,7 +157,12 @@ class _Receive:
         faults.hit("receive_bucket")
         if checksum is not None:  # compared in finish(), all buckets with one host read
             self.sums.append((plan.index, bucket_checksum(buf), checksum))
-        done = self.reassembler.feed(plan, buf)
+        completed = self.whole(plan, buf) if self.whole is not None else None
+        if completed is None:
+            done = self.reassembler.feed(plan, buf)
+        else:  # loaded whole: one fused copy, no Python per tensor before the next bucket is posted
+            done = self.reassembler.skip(plan)
+            self.num_tensors += completed
         self.num_tensors += len(done)
         if self.verify:
             self.staged.extend((name, t.clone()) for name, t in done)  # out of the reused buffer

@@ -321,7 +321,7 @@ def _as_vllm_parameters(state: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
 
 def test_direct_syncs_leave_every_vllm_parameter_the_bf16_cast_of_the_trainers_bit_for_bit(job, tok):
     """The fast path (transport.load=direct: the copy plan learned from vLLM's load_weights at the
-    first sync, replayed as fused copies since; the last sync armed: Job.arm_sync) against the trainer,
+    first sync, replayed since as one fused copy per bucket; the last sync armed: Job.arm_sync) against the trainer,
     parameter by parameter."""
     import ray
 
@@ -340,8 +340,9 @@ def test_direct_syncs_leave_every_vllm_parameter_the_bf16_cast_of_the_trainers_b
         assert sync.armed == armed
         stats = ray.get(engine.get_transfer_stats.remote(), timeout=60)
         plans.append(stats["copy_plan"])
-    assert stats["load_mode"] == "direct" and plans[-1] == "replayed", (stats, plans)
-    assert stats.get("num_parts", 0) > 0, stats  # the split tensors were copied part by part, never assembled
+    assert stats["load_mode"] == "direct" and plans[-1] == "replayed by bucket", (stats, plans)
+    # every bucket loaded at once (one fused copy, the split tensors' parts in it), none reassembled
+    assert stats.get("whole_buckets") == stats["num_buckets"] and "num_parts" not in stats, stats
     want = _as_vllm_parameters(ray.get(job.trainer.rank0.full_state_dict.remote(), timeout=120))
     got = ray.get(engine.param_checksums.remote(), timeout=120)
     assert set(got) == set(want), (sorted(set(got) ^ set(want)))

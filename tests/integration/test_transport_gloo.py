@@ -250,6 +250,53 @@ def _parts(rank: int, world: int, port: int) -> dict:
             "equal": {k: torch.equal(net.state_dict()[k], v) for k, v in w.items()}}
 
 
+def _whole_buckets(rank: int, world: int, port: int) -> dict:
+    """Three versions over one layout: the first through the module's loader, its copies recorded
+    (``learn``); the next two loaded a whole bucket at a time by the plan laid over the layout
+    (``BucketReplay``), the receive buffers and their views reused from one version to the next."""
+    from disagg.transport.buckets import PartLoader
+    from disagg.transport.copyplan import CopyPlan, Recorded, learn
+    from disagg.transport.sync import receive_model
+
+    group = _group(rank, world, port)
+    versions = (11, 12, 13)
+    manifest = build_manifest(_weights(versions[0]).items(), BUCKET_BYTES, policy_version=versions[0])
+    if rank == 0:
+        sender = WeightSender(group)
+        for v in versions:
+            sender.send(manifest.with_version(v), _weights(v))
+        return {}
+    net = _zeroed_net()
+    loader = TorchModelReceiver.load_into_module(net)
+    recorded = Recorded({}, {})
+
+    def learning(items):
+        got, why = learn(loader, items, [*net.parameters(), *net.buffers()])
+        assert why is None, why
+        recorded.update(got)
+
+    receive_model([group], manifest, learning, device=torch.device("cpu"), source="gather")
+    plan = CopyPlan(recorded)
+    replay = plan.bucket_replay(manifest)
+    out = {"equal": [], "loaded": [], "whole": [], "num_tensors": [], "num_buckets": len(manifest.buckets),
+           "split": sorted({e.name for b in manifest.buckets for e in b.entries if e.numel != manifest.spec(e.name).numel})}
+    for v in versions[1:]:
+        loaded, whole = [], []
+
+        def bucket(b, buf):
+            whole.append(b.index)
+            return replay.load(b, buf)
+
+        stats = receive_model([group], manifest.with_version(v), lambda items: loaded.extend(n for n, _ in items),
+                              device=torch.device("cpu"), source="gather",
+                              parts=PartLoader(plan.part_names, plan.apply_part, bucket=bucket))
+        out["equal"].append({k: torch.equal(net.state_dict()[k], t) for k, t in _weights(v).items()})
+        out["loaded"].append(loaded)
+        out["whole"].append(whole)
+        out["num_tensors"].append(stats.num_tensors)
+    return out
+
+
 def _child(target, rank: int, world: int, port: int, results, started) -> None:
     # Every process has started before any joins: spawned processes import torch seconds apart on a
     # busy machine, and the short timeouts here time the rendezvous, not the start-up.
@@ -314,6 +361,18 @@ def test_a_tensor_split_over_buckets_can_be_received_part_by_part() -> None:
     parts = rx["parts"]
     assert len(parts) >= 4 and sum(n for _, n, _ in parts) == rx["numel"]  # 3.5 buckets
     assert [last for *_, last in parts] == [False] * (len(parts) - 1) + [True]
+
+
+def test_whole_buckets_are_loaded_by_the_learned_plan_bit_for_bit_version_after_version() -> None:
+    reports, _ = _spawn(_whole_buckets, world=2, ranks=[0, 1])
+    rx = reports[1]
+    assert rx["ok"], rx
+    assert rx["split"] == ["big"]  # 3.5 buckets: its parts go with the buckets' other tensors
+    for equal, loaded, whole, num_tensors in zip(rx["equal"], rx["loaded"], rx["whole"], rx["num_tensors"]):
+        assert equal and all(equal.values()), equal  # mixed dtypes, casts into float32 included
+        assert whole == list(range(rx["num_buckets"]))  # every bucket at once, none reassembled
+        assert loaded == ["empty"]  # only the zero-element buffer, which no bucket holds, went to load_fn
+        assert num_tensors == len(equal)
 
 
 def test_receiver_with_mismatching_manifest_refuses() -> None:

@@ -181,3 +181,64 @@ def test_a_name_the_plan_never_saw_is_an_error() -> None:
     _, plan = _learned()
     with pytest.raises(KeyError):
         plan.apply([("unknown", torch.zeros(2))])
+
+
+def _layout(bucket_bytes: int, first_bucket_bytes: int = 0):
+    """The received tensors' layout in buckets (bf16 on the wire), as a sender plans it."""
+    from disagg.transport.manifest import TensorSpec, plan_buckets
+
+    specs = [TensorSpec(name, shape, "bfloat16") for name, shape in SHAPES.items()]
+    return plan_buckets(specs, bucket_bytes, 1, first_bucket_bytes)
+
+
+def _bucket_of(manifest, received: dict[str, torch.Tensor], index: int, slot: torch.Tensor) -> torch.Tensor:
+    """Bucket ``index`` of ``manifest`` packed into ``slot`` (a receive buffer), as it arrives."""
+    plan = manifest.buckets[index]
+    for e in plan.entries:
+        slot[e.bucket_offset : e.bucket_offset + e.numel] = received[e.name].reshape(-1)[
+            e.tensor_offset : e.tensor_offset + e.numel]
+    return slot[: plan.numel]
+
+
+@pytest.mark.parametrize("bucket_bytes, first, tp_rank", [(4096, 0, None), (128, 0, None), (120, 32, None),
+                                                          (4096, 0, 0)])  # (tp 2 splitting ``down``: below)
+def test_whole_buckets_are_loaded_bit_for_bit_through_two_buffers(bucket_bytes, first, tp_rank) -> None:
+    """``BucketReplay``: every bucket of a layout - whole tensors, the parts of split ones, the
+    embedding's padding zeroed once its last part landed - copied where the loader put it, from two
+    receive buffers taking turns, version after version (the views made per buffer are reused)."""
+    model = {} if tp_rank is None else {"tp": 2, "tp_rank": tp_rank}
+    m, plan = _learned(**model)
+    manifest = _layout(bucket_bytes, first)
+    split = {e.name for b in manifest.buckets for e in b.entries if e.numel != torch.Size(SHAPES[e.name]).numel()}
+    assert (bucket_bytes >= 4096) == (not split) and len(manifest.buckets) >= (1 if not split else 4)
+    replay = plan.bucket_replay(manifest)
+    assert replay is not None and plan.bucket_replay(manifest) is replay  # made once per layout
+    slots = [torch.zeros(max(b.numel for b in manifest.buckets) + 5, dtype=torch.bfloat16) for _ in range(2)]
+    for seed in (7, 8, 9):
+        m.embed.data.fill_(3.0)
+        received = dict(_received(seed))
+        completed = [replay.load(b, _bucket_of(manifest, received, b.index, slots[b.index % 2]))
+                     for b in manifest.buckets]
+        assert sum(completed) == len(SHAPES)
+        want = _loaded(seed, **model)
+        for name, p in m.named_parameters():
+            assert torch.equal(p, getattr(want, name)), (seed, name)
+        assert not m.embed[VOCAB:].any()
+
+
+def test_a_layout_with_a_split_tensor_not_copied_in_runs_or_a_name_unseen_gets_no_bucket_replay() -> None:
+    """A row-parallel shard (``down`` of tp 2: a slice of dim 1) split over buckets cannot be copied a
+    part at a time, and a name the plan never saw cannot be copied at all: no bucket of the layout
+    is loaded whole (the receiver reassembles them, and the loader learns again)."""
+    _, plan = _learned(tp=2, tp_rank=1)
+    assert "down" not in plan.part_names
+    split = _layout(128)
+    assert any(e.name == "down" and e.numel < H * FF for b in split.buckets for e in b.entries)
+    assert plan.bucket_replay(split) is None
+    assert plan.bucket_replay(_layout(4096)) is not None  # ``down`` whole in its bucket: copied as a whole
+
+    from disagg.transport.manifest import TensorSpec, plan_buckets
+
+    _, plan = _learned()
+    specs = [TensorSpec(name, shape, "bfloat16") for name, shape in {**SHAPES, "unseen": (4,)}.items()]
+    assert plan.bucket_replay(plan_buckets(specs, 4096, 1)) is None
