@@ -183,10 +183,12 @@ class TransportConfig:
     """Process-group backend; 'auto' -> nccl on cuda, gloo on cpu."""
     bucket_bytes: int = 256 * 1024 * 1024
     """Max bytes in one flat broadcast bucket."""
-    first_bucket_bytes: int = 32 * 1024 * 1024
+    first_bucket_bytes: int = 0
     """The buckets ramp up from this size to bucket_bytes and back down (each 3x the one before):
     the first bucket is packed before any byte leaves and the last one loaded after the last
-    arrives, so small ones there shorten the sync; 0 (or >= bucket_bytes): every bucket full."""
+    arrives; 0 (or >= bucket_bytes): every bucket full. Off by default: on 2 x H200 (2026-11-29)
+    a ramp from 32 MiB was no faster at 1.5B and 7B and slower at 0.5B (more buckets, each a
+    receiver's host work before the next receive is posted)."""
     timeout_s: float = 120.0
     """Timeout of the group rendezvous and of every collective."""
     dtype: str | None = None
