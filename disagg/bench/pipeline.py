@@ -107,9 +107,11 @@ class PipelineBenchOptions:
 
 GPU_DEFAULTS: dict[str, Any] = {
     # Qwen2.5-0.5B's shape with lengths a post-training run sees; sized so that the whole bench
-    # takes ~20 minutes on one H200. Flags given on the command line win.
+    # takes ~20 minutes on one H200. Flags given on the command line win. 512 groups in flight
+    # (2,048 sequences): the stream's engine full enough on an H200 (2 x H200, 2026-11-29: async +
+    # stream vs sync + batch 2.85 at 128, 2.78 at 256, 3.06 at 512).
     "tail_steps": 16, "tail_stream_steps": 48, "tail_warmup_steps": 1, "tail_short": 128, "tail_long": 2048, "tail_fraction": 0.1,
-    "tail_staleness": 8, "tail_inflight": 128, "tail_prompts": 32, "tail_sync_interval": 4,
+    "tail_staleness": 8, "tail_inflight": 512, "tail_prompts": 32, "tail_sync_interval": 4,
     "overlap_steps": 6, "overlap_max_seqs": 64, "overlap_prompts": 32, "overlap_min_tokens": 64,
     "overlap_max_tokens": 512,
     "async_steps": 12, "async_warmup_steps": 2, "async_max_tokens": 512, "async_prompts": 64,
@@ -347,16 +349,20 @@ def tail_runs(o: PipelineBenchOptions) -> tuple:
 
 
 PROFILE_KEYS = ("timing/step_s", "timing/train_s", "timing/rollout_s", "timing/weight_sync_s",
-                "rollout/tokens_per_s", "rollout/inflight_groups", "policy/staleness_max")
+                "rollout/tokens_per_s", "rollout/inflight_groups", "policy/staleness_max",
+                # the slowest engine's time paused at a step's sync: its requests frozen, the load, the resume
+                "weight_sync/engine_quiesce_s", "weight_sync/engine_update_s", "weight_sync/engine_resume_s")
 
 
 def _profile(records: list[dict]) -> dict[str, Any]:
-    """Medians of PROFILE_KEYS over ``records`` (``<key>_median``, the keys' last part) and the
-    per-step values under ``steps``: the trainer's share of the step, the wait for a batch and the
-    engines' token rate say which side bounds a comparison."""
-    present = [k for k in PROFILE_KEYS if all(k in r for r in records)]
-    out: dict[str, Any] = {f"{k.split('/')[1]}_median": statistics.median(r[k] for r in records) for k in present}
-    out["steps"] = [{k: r[k] for k in present} for r in records]
+    """Medians of PROFILE_KEYS over the ``records`` that have them (``<key>_median``, the keys' last
+    part; a step with no sync of its own has no engine phases) and the per-step values under
+    ``steps``: the trainer's share of the step, the wait for a batch, the engines' token rate and
+    their pause at each sync say which side bounds a comparison."""
+    present = [k for k in PROFILE_KEYS if any(k in r for r in records)]
+    out: dict[str, Any] = {f"{k.split('/')[1]}_median": statistics.median(r[k] for r in records if k in r)
+                           for k in present}
+    out["steps"] = [{k: r[k] for k in present if k in r} for r in records]
     return out
 
 
@@ -568,6 +574,11 @@ def render(report: dict[str, Any]) -> None:
             if m.get("engine_sampled_tokens_per_s"):
                 table.add_row(f"  {mode}: tokens the engines sampled per second, finished or not",
                               f"{m['engine_sampled_tokens_per_s']:.0f} ({m['engines']['vllm_generation_tokens']})",
+                              "", "")
+            if "engine_update_s_median" in m:
+                table.add_row(f"  {mode}: an engine paused per sync, median (requests frozen / load / resume)",
+                              f"{1e3 * m.get('engine_quiesce_s_median', 0.0):.1f} / "
+                              f"{1e3 * m['engine_update_s_median']:.1f} / {1e3 * m.get('engine_resume_s_median', 0.0):.1f} ms",
                               "", "")
             e = m.get("engines") or {}
             if e.get("resubmits"):

