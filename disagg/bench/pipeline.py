@@ -350,7 +350,7 @@ def tail_runs(o: PipelineBenchOptions) -> tuple:
 
 PROFILE_KEYS = ("timing/step_s", "timing/train_s", "timing/rollout_s", "timing/weight_sync_s",
                 "rollout/tokens_per_s", "rollout/inflight_groups", "policy/staleness_max",
-                # the slowest engine's time paused at a step's sync: its requests frozen, the load, the resume
+                # the slowest engine's part of a step's sync: its requests frozen, the load, the resume
                 "weight_sync/engine_quiesce_s", "weight_sync/engine_update_s", "weight_sync/engine_resume_s")
 
 
@@ -576,7 +576,7 @@ def render(report: dict[str, Any]) -> None:
                               f"{m['engine_sampled_tokens_per_s']:.0f} ({m['engines']['vllm_generation_tokens']})",
                               "", "")
             if "engine_update_s_median" in m:
-                table.add_row(f"  {mode}: an engine paused per sync, median (requests frozen / load / resume)",
+                table.add_row(f"  {mode}: an engine's part of each sync, median (requests frozen / load / resume)",
                               f"{1e3 * m.get('engine_quiesce_s_median', 0.0):.1f} / "
                               f"{1e3 * m['engine_update_s_median']:.1f} / {1e3 * m.get('engine_resume_s_median', 0.0):.1f} ms",
                               "", "")

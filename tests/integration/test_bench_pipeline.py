@@ -50,7 +50,7 @@ def test_bench_pipeline_reports_measured_ratios(tmp_path):
         assert len(steps) == tail[mode]["num_steps"] == (5 if mode.startswith("stream") else 3)  # --tail-stream-steps
         assert tail[mode]["train_s_median"] == pytest.approx(sorted(s["timing/train_s"] for s in steps)[len(steps) // 2])
         assert all(s["timing/train_s"] > 0 for s in steps)
-        # the slowest engine's pause at each step's sync: the load is never free; the medians are the rows'
+        # the slowest engine's part of each step's sync: its load is never free; the medians are the rows'
         loads = sorted(s["weight_sync/engine_update_s"] for s in steps if "weight_sync/engine_update_s" in s)
         assert loads and loads[0] > 0 and tail[mode]["engine_update_s_median"] == pytest.approx(
             statistics.median(loads))
