@@ -172,8 +172,6 @@ class DisaggWeightTransferEngine(WeightTransferEngine[DisaggInitInfo, DisaggUpda
         plan = self._plans.get(key)
         if plan is not None:
             plan.apply(tensors)
-            if self._plan_note != "replayed by bucket":  # (the zero-element tensors of a layout loaded by bucket)
-                self._plan_note = "replayed"
         elif key in self._plans or self._learning is None:  # the loader cannot be replayed
             self.model.load_weights(tensors)
         else:
@@ -230,7 +228,15 @@ class DisaggWeightTransferEngine(WeightTransferEngine[DisaggInitInfo, DisaggUpda
                 self._plans.clear()
         learning = self.load_mode == "direct" and self._plan_key not in self._plans
         self._learning = Recorded({}, {}) if learning else None
-        self._plan_note = "learned" if learning else ("loader" if self.load_mode == "direct" else "")
+        # A replayed plan copies each part of a tensor split over buckets as it arrives: no tensor
+        # of up to a gigabyte (a 7B vocabulary) assembled on the engine's GPU first, and one copy less.
+        # Where the plan covers the whole layout (one group's dense receive), each bucket is loaded at
+        # once: one fused copy.
+        plan = self._plans.get(self._plan_key) if self.load_mode == "direct" else None
+        replay = (plan.bucket_replay(manifest) if plan is not None and not self.info.verify and self.images is None
+                  and self.info.source == "gather" else None)
+        self._plan_note = ("learned" if learning else "replayed by bucket" if replay is not None
+                           else "replayed" if plan is not None else "loader" if self.load_mode == "direct" else "")
         go = None
         if update_info.arm_id:
             wait = armed_go(update_info.arm_id, update_info.arm_timeout_s,
@@ -244,17 +250,9 @@ class DisaggWeightTransferEngine(WeightTransferEngine[DisaggInitInfo, DisaggUpda
                 finally:  # the wait before the announce: not part of the sync's time
                     self._times["armed_wait_s"] = max(self._times.get("armed_wait_s", 0.0), time.perf_counter() - t)
                     self._times["armed_go_unix_s"] = time.time()  # the sync's part starts here
-        # A replayed plan copies each part of a tensor split over buckets as it arrives: no tensor
-        # of up to a gigabyte (a 7B vocabulary) assembled on the engine's GPU first, and one copy less.
-        # Where the plan covers the whole layout, each bucket is loaded at once: one fused copy.
-        plan = self._plans.get(self._plan_key) if self.load_mode == "direct" else None
-        parts = None
-        if plan is not None and not self.info.verify and self.images is None:
-            replay = plan.bucket_replay(manifest)
-            parts = PartLoader(plan.part_names, self._load_part,
-                               bucket=None if replay is None else functools.partial(self._load_bucket, replay))
-            if replay is not None:
-                self._plan_note = "replayed by bucket"
+        parts = (PartLoader(plan.part_names, self._load_part,
+                            bucket=None if replay is None else functools.partial(self._load_bucket, replay))
+                 if plan is not None and not self.info.verify and self.images is None else None)
         try:
             # A delta loads every tensor where vLLM's layerwise reload needs whole layers, and where a
             # copy plan is being learned (it must see every tensor); direct loads replay only what changed.

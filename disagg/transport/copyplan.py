@@ -26,7 +26,7 @@ plan, and the caller keeps calling the loader. This module never imports vLLM or
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -102,12 +102,9 @@ class CopyPlan:
     def apply_part(self, name: str, part: torch.Tensor, offset: int, last: bool) -> None:
         """Copy elements ``[offset, offset + part.numel())`` of the received tensor ``name`` (``part``,
         1-D) where the loader put them; its fills after the ``last`` part. Only for ``part_names``."""
-        lo, hi = offset, offset + part.numel()
         with torch.no_grad():
-            for c in self.copies[name]:
-                a, b = max(lo, c.offset), min(hi, c.offset + c.dst.numel())
-                if a < b:
-                    c.dst.view(-1)[a - c.offset : b - c.offset].copy_(part[a - lo : b - lo])
+            for at, n, dst in _runs_in_part(self.copies[name], offset, offset + part.numel()):
+                dst.copy_(part[at : at + n])
             if last:
                 for dst, value in self.fills.get(name, ()):
                     dst.fill_(value)
@@ -170,12 +167,8 @@ class BucketReplay:
                 if e.numel == numel[e.name]:
                     out += [(e.bucket_offset + c.offset, c.size, c.stride, c.dst) for c in planned]
                 elif e.name in plan.part_names:  # this part's share of each one-run copy
-                    lo, hi = e.tensor_offset, e.tensor_offset + e.numel
-                    for c in planned:
-                        a, b = max(lo, c.offset), min(hi, c.offset + c.dst.numel())
-                        if a < b:
-                            out.append((e.bucket_offset + a - lo, (b - a,), (1,),
-                                        c.dst.view(-1)[a - c.offset : b - c.offset]))
+                    out += [(e.bucket_offset + at, (n,), (1,), dst)
+                            for at, n, dst in _runs_in_part(planned, e.tensor_offset, e.tensor_offset + e.numel)]
                 else:
                     return None
                 if e.tensor_offset + e.numel == numel[e.name]:  # the tensor's last elements
@@ -202,6 +195,15 @@ class BucketReplay:
             for dst, value in self._fills[bucket.index]:
                 dst.fill_(value)
         return self._completes[bucket.index]
+
+
+def _runs_in_part(copies: list[PlannedCopy], lo: int, hi: int) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """Elements ``[lo, hi)`` of a received tensor whose copies are each one run (``part_names``): for
+    each copy they meet, (the first such element's offset from ``lo``, how many, their destination)."""
+    for c in copies:
+        a, b = max(lo, c.offset), min(hi, c.offset + c.dst.numel())
+        if a < b:
+            yield a - lo, b - a, c.dst.view(-1)[a - c.offset : b - c.offset]
 
 
 def _one_run(copy: PlannedCopy) -> bool:
