@@ -198,6 +198,10 @@ class TransportConfig:
     'shards' (every trainer rank sends its own shards over its own group)."""
     num_buffers: int = 2
     """Bucket buffers per side: packing/loading of one bucket overlaps the wire of the next."""
+    nccl_high_priority: bool = False
+    """NCCL groups run their broadcasts on a stream of the highest CUDA priority: on a GPU that packs
+    (trainer) or loads (engine) one bucket while the next is on the wire, the broadcast's kernels
+    are scheduled ahead of those copies. Both ends of a group take it from here."""
     verify: bool = False
     """Per-bucket checksums; a mismatch rejects the version (staged, costs one copy of the weights)."""
     load: Literal["auto", "layerwise", "direct"] = "auto"

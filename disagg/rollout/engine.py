@@ -307,7 +307,8 @@ class EngineActor(EngineSync, EnginePeers):
         info = dict(groups=groups, world_size=world_size, rank_offset=rank_offset, backend=backend,
                     timeout_s=timeout_s, source=self.transport_cfg.source,
                     num_buffers=self.transport_cfg.num_buffers, verify=self.transport_cfg.verify,
-                    load=self.transport_cfg.load, delta=self.transport_cfg.delta != "off")
+                    load=self.transport_cfg.load, delta=self.transport_cfg.delta != "off",
+                    high_priority=self.transport_cfg.nccl_high_priority)
         await self._engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info))
 
     async def ping(self) -> dict[str, Any]:

@@ -68,6 +68,7 @@ class DisaggInitInfo(WeightTransferInitInfo):
     verify: bool = False
     load: str = "auto"  # transport.load: auto | layerwise | direct
     delta: bool = False  # transport.delta on or auto: receive with receive_delta onto an image per group
+    high_priority: bool = False  # transport.nccl_high_priority: the group's stream at the highest CUDA priority
 
 
 def resolve_load_mode(requested: str, device_type: str, quantized: bool) -> str:
@@ -129,7 +130,8 @@ class DisaggWeightTransferEngine(WeightTransferEngine[DisaggInitInfo, DisaggUpda
         self.set_load_mode(init_info.load)
         self.groups = [
             create_group(host=host, port=int(port), rank=rank, world_size=init_info.world_size,
-                         backend=init_info.backend, timeout_s=init_info.timeout_s, group_name=name, device=self.device)
+                         backend=init_info.backend, timeout_s=init_info.timeout_s, group_name=name, device=self.device,
+                         high_priority=init_info.high_priority)
             for host, port, name in init_info.groups
         ]
         # New groups: this worker holds nothing of the trainer's yet, and the first sync is dense.

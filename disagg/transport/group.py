@@ -405,13 +405,15 @@ class PendingOp:
 
 
 def create_group(*, host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float,
-                 group_name: str, device: torch.device | None = None) -> TransportGroup:
+                 group_name: str, device: torch.device | None = None, high_priority: bool = False) -> TransportGroup:
     """Join weight-sync group ``group_name``; rank 0 hosts its store on ``host:port``.
 
     Every rank calls this with the same host, port, world size, backend and name.
     Raises ``TransportError`` naming the missing ranks when the rendezvous does not
     complete within ``timeout_s``. ``device`` is the CUDA device for NCCL (default:
-    the current one); gloo groups move CPU tensors.
+    the current one); gloo groups move CPU tensors. ``high_priority`` (NCCL): the group's
+    collectives run on a stream of the highest CUDA priority, so their kernels take the SMs
+    ahead of the packing and loading kernels queued beside them (``transport.nccl_high_priority``).
     """
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"transport backend must be 'gloo' or 'nccl', got {backend!r}")
@@ -454,6 +456,7 @@ def create_group(*, host: str, port: int, rank: int, world_size: int, backend: s
         device = device or torch.device("cuda", torch.cuda.current_device())
         nccl_opts = ProcessGroupNCCL.Options()
         nccl_opts._timeout = timedelta(seconds=timeout_s + max(timeout_s, _NCCL_WATCHDOG_MARGIN_S))
+        nccl_opts.is_high_priority_stream = bool(high_priority)
         make = lambda: ProcessGroupNCCL(prefix, rank, world_size, nccl_opts)  # noqa: E731
     try:
         pg = make()

@@ -31,6 +31,19 @@ def test_nccl_sync_gathered_from_two_trainers_is_bit_identical_on_two_gpus():
     check_bit_identical(reports, 2, "gather")
 
 
+def test_nccl_sync_on_streams_of_the_highest_priority_is_bit_identical():
+    # transport.nccl_high_priority: every rank's group runs on a high-priority stream, and the
+    # pipelined sync (packing beside the wire on one side, loading beside it on the other) still
+    # lands every element
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    reports = _run(1, "gather", backend="nccl", receivers=1, high_priority=True)
+    check_bit_identical(reports, 1, "gather")
+    assert [r["high_priority"] for r in reports] == [[True], [True]]
+    plain = _run(1, "gather", backend="nccl", receivers=1)
+    assert [r["high_priority"] for r in plain] == [[False], [False]]
+
+
 @pytest.mark.parametrize("trainers, source", [(1, "gather"), (2, "shards")])
 def test_nccl_snapshot_sent_beside_the_next_step_is_bit_identical(trainers, source):
     receivers = 2 if torch.cuda.device_count() >= trainers + 2 else 1

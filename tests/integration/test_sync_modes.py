@@ -60,7 +60,7 @@ def _wire(backend: str) -> str:
 
 def _trainer(rank: int, world: int, receivers: int, ports: list[int], fsdp_port: int, source: str,
              corrupt: bool, backend: str, out: mp.Queue, started, overlap: bool = False, delta: bool = False,
-             first_bucket_bytes: int = 0) -> None:
+             first_bucket_bytes: int = 0, high_priority: bool = False) -> None:
     from disagg.transport.group import create_group
     from disagg.transport.sync import model_manifest, send_model, source_groups_needed
 
@@ -82,7 +82,7 @@ def _trainer(rank: int, world: int, receivers: int, ports: list[int], fsdp_port:
     group = None
     if rank < source_groups_needed(source, world):
         group = create_group(host=HOST, port=ports[rank], rank=0, world_size=1 + receivers, backend=_wire(backend),
-                             timeout_s=TIMEOUT_S, group_name=f"s{rank}", device=device)
+                             timeout_s=TIMEOUT_S, group_name=f"s{rank}", device=device, high_priority=high_priority)
     from disagg.transport.sender import WeightSender
 
     sender = WeightSender(group, 0, num_buffers=2, verify=corrupt, device=device) if group is not None else None
@@ -104,7 +104,8 @@ def _trainer(rank: int, world: int, receivers: int, ports: list[int], fsdp_port:
     out.put({"role": "trainer", "rank": rank, "weights": full_weights, "staged_on": staged,
              "sent": None if stats is None else stats.bytes, "manifest_bytes": full.total_bytes,
              "changed": None if stats is None else stats.changed_fraction,
-             "bucket_sizes": [b.nbytes for b in full.buckets]})
+             "bucket_sizes": [b.nbytes for b in full.buckets],
+             "high_priority": [_high_priority(group)] if group is not None else []})
     if group is not None:
         group.barrier()
         group.destroy()
@@ -178,7 +179,7 @@ def _send_snapshot_while_training(net, group, full, source, rank, world, sender,
 
 def _receiver(index: int, receivers: int, num_groups: int, ports: list[int], source: str, verify: bool,
               backend: str, first_device: int, out: mp.Queue, started, delta: bool = False,
-              first_bucket_bytes: int = 0) -> None:
+              first_bucket_bytes: int = 0, high_priority: bool = False) -> None:
     from disagg.errors import ChecksumError
     from disagg.transport.group import create_group
     from disagg.transport.receiver import TorchModelReceiver
@@ -191,7 +192,8 @@ def _receiver(index: int, receivers: int, num_groups: int, ports: list[int], sou
     before = _digest(net)
     started.wait(timeout=START_TIMEOUT_S)
     groups = [create_group(host=HOST, port=ports[r], rank=1 + index, world_size=1 + receivers, backend=_wire(backend),
-                           timeout_s=TIMEOUT_S, group_name=f"s{r}", device=device) for r in range(num_groups)]
+                           timeout_s=TIMEOUT_S, group_name=f"s{r}", device=device, high_priority=high_priority)
+              for r in range(num_groups)]
     full = model_manifest(net, BUCKET_BYTES, policy_version=5, first_bucket_bytes=first_bucket_bytes)
     load = TorchModelReceiver.load_into_module(net)
     rejected = None
@@ -210,18 +212,26 @@ def _receiver(index: int, receivers: int, num_groups: int, ports: list[int], sou
     except ChecksumError as e:
         rejected, received = str(e), None
     out.put({"role": "receiver", "index": index, "weights": _digest(net), "before": before, "received": received,
-             "rejected": rejected, "group_bytes": sum(g.bytes_received for g in groups)})
+             "rejected": rejected, "group_bytes": sum(g.bytes_received for g in groups),
+             "high_priority": [_high_priority(g) for g in groups]})
     for g in groups:
         g.barrier()
         g.destroy()
 
 
+def _high_priority(group) -> bool | None:
+    """Whether ``group``'s NCCL process group runs on a high-priority stream (None on gloo)."""
+    options = getattr(group._pg, "options", None)
+    return getattr(options, "is_high_priority_stream", None)
+
+
 def _run(trainers: int, source: str, corrupt: bool = False, backend: str = "gloo", receivers: int = 2,
          overlap: bool = False, delta: bool = False, first_receiver_gpu: int | None = None,
-         first_bucket_bytes: int = 0) -> list[dict]:
+         first_bucket_bytes: int = 0, high_priority: bool = False) -> list[dict]:
     """Spawn the trainers and receivers (on NCCL: one GPU each, trainers first; ``first_receiver_gpu``
     puts the receivers from that GPU on instead, beside a trainer that shares no group with them)
-    and collect their reports. ``first_bucket_bytes``: the buckets ramp from it (``plan_buckets``)."""
+    and collect their reports. ``first_bucket_bytes``: the buckets ramp from it (``plan_buckets``).
+    ``high_priority``: NCCL groups on streams of the highest priority (``transport.nccl_high_priority``)."""
     from disagg.transport.group import pick_free_port
     from disagg.transport.sync import source_groups_needed
 
@@ -232,11 +242,11 @@ def _run(trainers: int, source: str, corrupt: bool = False, backend: str = "gloo
     ports = [pick_free_port(HOST) for _ in range(num_groups)]
     fsdp_port = pick_free_port(HOST)
     procs = [ctx.Process(target=_trainer, args=(r, trainers, receivers, ports, fsdp_port, source, corrupt, backend,
-                                                out, started, overlap, delta, first_bucket_bytes))
+                                                out, started, overlap, delta, first_bucket_bytes, high_priority))
              for r in range(trainers)]
     first = trainers if first_receiver_gpu is None else first_receiver_gpu
     procs += [ctx.Process(target=_receiver, args=(j, receivers, num_groups, ports, source, corrupt, backend, first,
-                                                  out, started, delta, first_bucket_bytes))
+                                                  out, started, delta, first_bucket_bytes, high_priority))
               for j in range(receivers)]
     for p in procs:
         p.start()
