@@ -232,7 +232,8 @@ class Job:
         its steps while it waits (``timeout_s`` at most; the trainer dying ends it), and a call into vLLM's
         engine core (a version query, a generation) waits behind it until the sync. With
         ``transport.overlap_push`` the trainer's push is put in place too, on its transport thread,
-        waiting in the group's store for the driver's word. ``start_sync`` of that version then only
+        waiting in the group's store for the driver's word (the step's end packs its first buckets:
+        ``EarlyPack``). ``start_sync`` of that version then only
         sets that word after the announce: no Ray, engine-core or trainer dispatch between the announce
         and the wire (without overlap_push it calls the trainer, whose push wakes the engines).
         ``disarm`` calls it off."""

@@ -286,8 +286,7 @@ def _timed_sync(job, raw, version: int, armed: bool, from_snapshot: bool,
     cfg = job.cfg
     r = raw()
     if armed:  # the engines get on the group while the trainer "trains" (not timed)
-        job.arm_sync(version, timeout_s=cfg.transport.timeout_s)
-        time.sleep(_ARM_SETTLE_S)
+        _arm_and_end_step(job, version)
     if from_snapshot:  # what a train step with a snapshot ends with (not timed)
         snapshots += ray.get([job.trainer.transport_method(w, "take_snapshot").remote(version)
                               for w in range(len(job.trainer.workers))], timeout=cfg.transport.timeout_s)
@@ -378,13 +377,23 @@ def _traced_sync(job, o: VllmSyncOptions, version: int) -> tuple[str, list[str]]
         _next_push_as(job, "dense")
     ray.get([e.set_load_mode.remote(o.loads[0]) for e in job.rollout.engines], timeout=60)
     if o.armed:
-        job.arm_sync(version, timeout_s=job.cfg.transport.timeout_s)
-        time.sleep(_ARM_SETTLE_S)
+        _arm_and_end_step(job, version)
     job.finish_sync(job.start_sync(version, trainer_step=version - 1))
     return str(path), [w for each in workers for w in each]
 
 
 _ARM_SETTLE_S = 0.3  # an armed receive's way onto the group (milliseconds; a train step is longer)
+
+
+def _arm_and_end_step(job, version: int) -> None:
+    """An armed sync's run-up, not timed: the engines' receives and the trainer's push on the group while
+    the trainer "trains", then that step's end, where each rank's push packs its first buckets
+    (``TrainerPush.params_final``, what ``train_step`` ends with) before the driver announces."""
+    import ray
+
+    job.arm_sync(version, timeout_s=job.cfg.transport.timeout_s)
+    time.sleep(_ARM_SETTLE_S)
+    ray.get([w.params_final.remote() for w in job.trainer.workers], timeout=job.cfg.transport.timeout_s)
 
 
 SNAPSHOT = "from a snapshot"

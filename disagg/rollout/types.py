@@ -121,6 +121,7 @@ TIMELINE = {  # a sync's events, in their usual order -> what happened (the late
     "trainer_send": "the trainer's sender entered (the push's own set-up done)",
     "trainer_planned": "the sender planned its buckets' packing",
     "trainer_header_copied": "the header on the trainer's device (its broadcast next)",
+    "trainer_early_packed": "the trainer's first buckets packed as its step ended (an armed push)",
     "trainer_header": "the trainer posted its header (the send's set-up done)",
     "wire_start": "the sender's header matched on the worker (every party on the group)",
     "trainer_out": "the trainer's push returned (its last bucket on the wire)",

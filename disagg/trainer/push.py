@@ -144,6 +144,7 @@ class TrainerPush:
         part of the push.
         """
         from disagg.errors import SyncCancelled
+        from disagg.transport.sender import EarlyPack
         from disagg.transport.sync import ARM_SEND, arm_key, go_key, send_model
 
         m = self._layout().with_version(policy_version)
@@ -191,15 +192,20 @@ class TrainerPush:
             dense = chooser is not None and not chooser.delta_next()
             estimate = dense and chooser.estimating  # (a dense sync that times one bucket's encoding as a delta)
 
+        # An armed push from the live parameters: the train step that ends meanwhile packs its first
+        # buckets (TrainerWorker.train_step -> EarlyPack.params_final) before the driver's word.
+        early = EarlyPack() if go is not None and not from_snapshot else None
+
         def send(tensors: dict[str, torch.Tensor]):
             return send_model(self.group, self.model, m, source=self.transport_cfg.source, trainer_rank=self.rank,
                               num_trainer_ranks=self.world_size, num_buffers=self.transport_cfg.num_buffers,
                               verify=self.transport_cfg.verify, sender=self.sender, params=tensors, image=image,
-                              dense=dense, estimate=estimate, go=go)
+                              dense=dense, estimate=estimate, go=go, early=early)
 
         if arm_id and go_timeout_s is None and self.group is not None:
             # (an armed push's go woke the engines too: Job._go sets both words)
             self.group.signal(arm_key(arm_id), ARM_SEND)  # the header follows at once
+        self._early = early
         try:
             if from_snapshot:
                 stats = self._send_snapshot(policy_version, send)
@@ -214,6 +220,9 @@ class TrainerPush:
             self._next_kind = forced
             self.disarm(arm_id)
             return {**out, "cancelled": str(e), "bytes": 0, "num_buckets": 0, "seconds": 0.0}
+        finally:
+            if self._early is early:
+                self._early = None
         out.update(seconds=time.perf_counter() - clock["t0"], bytes=0, num_buckets=0)
         if stats is not None and chooser is not None:
             chooser.record(stats.delta_base != 0, stats.seconds, stats.bytes / max(1, stats.dense_bytes),
@@ -221,12 +230,20 @@ class TrainerPush:
         if stats is not None:
             out.update(bytes=stats.dense_bytes, wire_bytes=stats.bytes, send_s=stats.seconds,
                        num_buckets=stats.num_buckets, group_bytes_sent=self.group.bytes_sent,
+                       early_buckets=stats.early_buckets,
                        trainer_header_unix_s=stats.header_unix_s, delta_base=stats.delta_base,
                        changed_fraction=stats.changed_fraction,
                        **{f"trainer_{k}_unix_s": v for k, v in stats.stamps.items()})
         out.update(trainer_in_unix_s=clock["wall0"], trainer_out_unix_s=time.time())
         self._timeline.append(("push", policy_version, clock["wall0"], out["trainer_out_unix_s"]))
         return out
+
+    def params_final(self) -> bool:
+        """The parameters hold the next version now: what the end of a train step does for an armed
+        push (its first buckets packed, ``EarlyPack``). For benchmarks that train no step; whether an
+        armed push took it."""
+        early = self._early
+        return early.params_final() if early is not None else False
 
     def take_snapshot(self, policy_version: int) -> dict[str, float]:
         """Copy the parameters as ``policy_version`` for a push from the snapshot, as a train step with

@@ -67,6 +67,7 @@ class TrainerWorker(TrainerPush, TrainerPeers):
         self._flats: list[torch.Tensor] | None = None  # the flat parameter buffers (one rank, fp32 wire)
         self._snapshots = Snapshots()  # transport.overlap_push: what the pushes send
         self._push_stream = None  # CUDA: the stream pushes from snapshots run on
+        self._early = None  # an armed push's first buckets, packed as the next train step ends (EarlyPack)
         self._timeline: deque = deque(maxlen=512)  # (what, version, start, end), time.time()
         self._step_delay_s = cfg.step_delay_s
         self._hold: tuple[threading.Event, float] | None = None  # tests: the next step waits for release_step
@@ -192,6 +193,7 @@ class TrainerWorker(TrainerPush, TrainerPeers):
             t1 = time.perf_counter()
             self._take_snapshot(snapshot_version)
             snapshot_s = time.perf_counter() - t1
+        self.params_final()  # an armed push waiting for this version packs its first buckets now
         self._timeline.append(("train", snapshot_version, wall0, time.time()))
         tok = max(totals["tokens"], 1.0)
         return {

@@ -34,7 +34,7 @@ from disagg.transport.delta import DeltaImage
 from disagg.transport.group import TransportGroup
 from disagg.transport.manifest import Manifest, TensorSpec, plan_buckets
 from disagg.transport.receiver import LoadFn, ReceiveStats, receive_delta, receive_weights
-from disagg.transport.sender import BucketFill, SendStats, WeightSender, build_manifest
+from disagg.transport.sender import BucketFill, EarlyPack, SendStats, WeightSender, build_manifest
 
 SOURCES = ("gather", "shards")
 
@@ -92,7 +92,7 @@ def send_model(group: TransportGroup | None, model: torch.nn.Module, full: Manif
                trainer_rank: int, num_trainer_ranks: int, num_buffers: int = 2, verify: bool = False,
                sender: WeightSender | None = None, params: Mapping[str, torch.Tensor] | None = None,
                image: DeltaImage | None = None, dense: bool = False, estimate: bool = False,
-               go: Callable[[], None] | None = None) -> SendStats | None:
+               go: Callable[[], None] | None = None, early: EarlyPack | None = None) -> SendStats | None:
     """Send ``model``'s parameters as ``full.policy_version``; call on every trainer rank.
 
     ``group`` is this rank's source group (None for non-zero ranks in gather mode).
@@ -102,7 +102,8 @@ def send_model(group: TransportGroup | None, model: torch.nn.Module, full: Manif
     do. ``image`` (``transport.delta``): this rank's image of what its group's receivers hold; the
     send is then ``WeightSender.send_delta`` (``dense``: a dense one that keeps the image). ``go``:
     an armed push's wait for the driver's word, once the send is set up (``WeightSender.send``;
-    not with gathers over several ranks, whose collectives cannot wait). Returns the send
+    not with gathers over several ranks, whose collectives cannot wait); ``early``: its first buckets
+    may be packed as the step ends, before the word (``EarlyPack``; dense sends). Returns the send
     statistics on ranks that sent, None on ranks that only gathered.
     """
     params = dict(model.named_parameters()) if params is None else params
@@ -111,7 +112,7 @@ def send_model(group: TransportGroup | None, model: torch.nn.Module, full: Manif
     def send(manifest: Manifest, tensors=None, fill=None) -> SendStats:
         s = sender or WeightSender(group, 0, num_buffers, verify, device=device)
         if image is None:
-            return s.send(manifest, tensors, fill, go=go)
+            return s.send(manifest, tensors, fill, go=go, early=early)
         return s.send_delta(manifest, image, tensors, fill, dense=dense, estimate=estimate, go=go)
 
     if source == "gather":

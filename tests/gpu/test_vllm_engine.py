@@ -321,8 +321,8 @@ def _as_vllm_parameters(state: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
 
 def test_direct_syncs_leave_every_vllm_parameter_the_bf16_cast_of_the_trainers_bit_for_bit(job, tok):
     """The fast path (transport.load=direct: the copy plan learned from vLLM's load_weights at the
-    first sync, replayed since as one fused copy per bucket; the last sync armed: Job.arm_sync) against the trainer,
-    parameter by parameter."""
+    first sync, replayed since as one fused copy per bucket; the last sync armed: Job.arm_sync, its first
+    buckets packed as the train step ended) against the trainer, parameter by parameter."""
     import ray
 
     from disagg.transport.buckets import bucket_checksum
@@ -338,6 +338,8 @@ def test_direct_syncs_leave_every_vllm_parameter_the_bf16_cast_of_the_trainers_b
         job.trainer.train_step(batch)
         sync = job.sync_weights(v, trainer_step=v)
         assert sync.armed == armed
+        if armed:  # its first buckets packed as the train step ended, before the announce (EarlyPack)
+            assert sync.timeline.get("trainer_early_packed", 0.0) < 0.0, sync.timeline
         stats = ray.get(engine.get_transfer_stats.remote(), timeout=60)
         plans.append(stats["copy_plan"])
     assert stats["load_mode"] == "direct" and plans[-1] == "replayed by bucket", (stats, plans)

@@ -221,6 +221,71 @@ def _armed(rank: int, world: int, port: int) -> dict:
     return out
 
 
+def _early(rank: int, world: int, port: int) -> dict:
+    """An armed push whose first buckets are packed as the train step ends (``EarlyPack``), bf16 on the
+    wire from float32 (packed, not sent as views): the step ending while the push waits for its word;
+    the word first; the step ending before the push was set up; the push called off."""
+    import threading
+
+    from disagg.errors import SyncCancelled
+    from disagg.transport.sender import EarlyPack
+
+    group = _group(rank, world, port)
+    if rank == 0:
+        w5, w6 = _weights(5), _weights(6)
+        m = build_manifest(w5.items(), BUCKET_BYTES, policy_version=5, dtype_override="bfloat16")
+        sender = WeightSender(group)
+        params = {k: v.clone() for k, v in w5.items()}  # the trainer's parameters, updated in place
+        facts: dict = {"num_buckets": len(m.buckets)}
+        # 1: the step that makes version 6 ends while the push waits for the driver's word
+        early, word, out = EarlyPack(), threading.Event(), {}
+        push = threading.Thread(target=lambda: out.update(
+            stats=sender.send(m.with_version(6), params, go=lambda: word.wait(30), early=early)))
+        push.start()
+        time.sleep(0.5)  # set up, waiting for its word
+        for k, v in params.items():  # the step's optimizer
+            v.copy_(w6[k])
+        facts["packed"], facts["packed_again"] = early.params_final(), early.params_final()
+        word.set()
+        push.join(30)
+        stats = out["stats"]
+        facts["early_buckets"] = stats.early_buckets
+        facts["early_before_header"] = stats.stamps["early_packed"] < stats.header_unix_s
+        # 2: the word before the step's end: packed at the word; the step that ends after packs nothing
+        for k, v in params.items():
+            v.copy_(w5[k])
+        early = EarlyPack()
+        facts["word_first"] = sender.send(m.with_version(7), params, go=lambda: None, early=early).early_buckets
+        facts["packed_after_word"] = early.params_final()
+        # 3: the step ended before the push was set up
+        for k, v in params.items():
+            v.copy_(w6[k])
+        early = EarlyPack()
+        facts["packed_before_offer"] = early.params_final()
+        facts["step_first"] = sender.send(m.with_version(8), params, go=lambda: None, early=early).early_buckets
+        # 4: called off at its word: nothing on the wire, and a step ending after packs nothing
+
+        def off() -> None:
+            raise SyncCancelled("called off")
+
+        early = EarlyPack()
+        try:
+            sender.send(m.with_version(9), params, go=off, early=early)
+        except SyncCancelled:
+            facts["packed_after_off"] = early.params_final()
+        return facts
+    net = _zeroed_net()
+    load_fn = TorchModelReceiver.load_into_module(net)
+    manifest = build_manifest(net.state_dict().items(), BUCKET_BYTES, policy_version=5, dtype_override="bfloat16")
+    equal = {}
+    for version, seed in ((6, 6), (7, 5), (8, 6)):
+        receive_weights(group, manifest.with_version(version), load_fn)
+        want = {k: v.to(torch.bfloat16).to(v.dtype) if v.dtype.is_floating_point else v
+                for k, v in _weights(seed).items()}  # bf16 on the wire
+        equal[version] = all(torch.equal(net.state_dict()[k], v) for k, v in want.items())
+    return {"equal": equal}
+
+
 def _parts(rank: int, world: int, port: int) -> dict:
     """A receive (``receive_model``, gather) that takes the tensor split over buckets part by part."""
     from disagg.transport.buckets import PartLoader
@@ -405,6 +470,20 @@ def test_receiver_dying_mid_sync_fails_the_sender_fast() -> None:
     # The error names the receiver that died, and only that one.
     assert "dead peer(s): rank 2 (" in sender["error"] and "rank 1 (" not in sender["error"], sender
     assert reports[1]["error_type"] == "TransportError", reports[1]
+
+
+def test_an_armed_push_packs_its_first_buckets_as_the_step_ends_and_they_arrive_bit_for_bit() -> None:
+    reports, _ = _spawn(_early, world=2, ranks=[0, 1])
+    tx, rx = reports[0], reports[1]
+    assert tx["ok"] and rx["ok"], reports
+    assert tx["num_buckets"] > 2  # more buckets than buffers: the rest packed at the wire as usual
+    # the step ending while the push waits: one bucket per buffer packed then, sent as they were
+    assert tx["packed"] and not tx["packed_again"] and tx["early_buckets"] == 2 and tx["early_before_header"], tx
+    # the word first, or the step ended before the push was set up: packed at the word
+    assert tx["word_first"] == 0 and not tx["packed_after_word"], tx
+    assert not tx["packed_before_offer"] and tx["step_first"] == 0, tx
+    assert tx["packed_after_off"] is False, tx  # called off: a step ending later packs nothing
+    assert rx["equal"] == {6: True, 7: True, 8: True}, rx  # the version the step made, bit for bit
 
 
 def test_an_armed_receive_waits_for_the_senders_word_is_called_off_by_it_and_ends_when_it_dies() -> None:
