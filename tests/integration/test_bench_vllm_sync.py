@@ -173,4 +173,9 @@ def test_the_bench_runs_its_blocks_once_per_bucket_layout_side_by_side(tmp_path)
             # every byte of the version went, in that layout's buckets
             assert len(runs) == 1 and [x["num_buckets"] for x in runs] == [r["layouts"][layout]], runs
             assert runs[0]["bytes"] == r["bytes"] and r["modes"][f"{block}, {layout}"]["seconds"] > 0
+        # armed (bf16 on the wire: packed, dense): the run-up's step end packed the push's first buckets
+        # (EarlyPack), after its set-up and before the announce; the dispatched push packs at its start
+        t = r["syncs"][f"layerwise, armed, {layout}"][0]["timeline"]
+        assert t["trainer_header_copied"] < t["trainer_early_packed"] < 0 < t["trainer_header"], t
+        assert "trainer_early_packed" not in r["syncs"][f"layerwise, {layout}"][0]["timeline"]
     assert f"layout: {ramp} ({r['layouts'][ramp]} buckets)" in proc.stdout
