@@ -393,7 +393,8 @@ def _arm_and_end_step(job, version: int) -> None:
 
     job.arm_sync(version, timeout_s=job.cfg.transport.timeout_s)
     time.sleep(_ARM_SETTLE_S)
-    ray.get([w.params_final.remote() for w in job.trainer.workers], timeout=job.cfg.transport.timeout_s)
+    wait_s = job.cfg.transport.timeout_s / 2  # (for each push to be set up: milliseconds, unless it failed)
+    ray.get([w.params_final.remote(wait_s) for w in job.trainer.workers], timeout=job.cfg.transport.timeout_s)
 
 
 SNAPSHOT = "from a snapshot"

@@ -164,6 +164,7 @@ class TrainerPush:
             def go() -> None:
                 """The driver's word, waited for once the send is set up (its buckets planned, its
                 header on the device): the wire starts right after it. Called off: nothing is sent."""
+                self._go_waiting.set()  # (set up: params_final(wait_s) may go on)
                 t_wait = time.perf_counter()
                 try:
                     said = self.group.await_signal(go_key(arm_id), go_timeout_s, f"the driver's go for version "
@@ -223,6 +224,7 @@ class TrainerPush:
         finally:
             if self._early is early:
                 self._early = None
+            self._go_waiting.clear()
         out.update(seconds=time.perf_counter() - clock["t0"], bytes=0, num_buckets=0)
         if stats is not None and chooser is not None:
             chooser.record(stats.delta_base != 0, stats.seconds, stats.bytes / max(1, stats.dense_bytes),
@@ -238,10 +240,13 @@ class TrainerPush:
         self._timeline.append(("push", policy_version, clock["wall0"], out["trainer_out_unix_s"]))
         return out
 
-    def params_final(self) -> bool:
+    def params_final(self, wait_s: float = 0.0) -> bool:
         """The parameters hold the next version now: what the end of a train step does for an armed
-        push (its first buckets packed, ``EarlyPack``). For benchmarks that train no step; whether an
-        armed push took it."""
+        push (its first buckets packed, ``EarlyPack``); whether a push took it. ``wait_s``: for
+        benchmarks that train no step, first wait (that long at most) until the armed push is set up
+        and waits for the driver's word."""
+        if wait_s > 0:
+            self._go_waiting.wait(wait_s)
         early = self._early
         return early.params_final() if early is not None else False
 

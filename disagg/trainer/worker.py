@@ -68,6 +68,7 @@ class TrainerWorker(TrainerPush, TrainerPeers):
         self._snapshots = Snapshots()  # transport.overlap_push: what the pushes send
         self._push_stream = None  # CUDA: the stream pushes from snapshots run on
         self._early = None  # an armed push's first buckets, packed as the next train step ends (EarlyPack)
+        self._go_waiting = threading.Event()  # an armed push is set up and waits for the driver's word
         self._timeline: deque = deque(maxlen=512)  # (what, version, start, end), time.time()
         self._step_delay_s = cfg.step_delay_s
         self._hold: tuple[threading.Event, float] | None = None  # tests: the next step waits for release_step

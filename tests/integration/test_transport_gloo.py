@@ -242,7 +242,9 @@ def _early(rank: int, world: int, port: int) -> dict:
         push = threading.Thread(target=lambda: out.update(
             stats=sender.send(m.with_version(6), params, go=lambda: word.wait(30), early=early)))
         push.start()
-        time.sleep(0.5)  # set up, waiting for its word
+        deadline = time.monotonic() + 30
+        while early._make is None and time.monotonic() < deadline:  # set up (its offer made), waiting for its word
+            time.sleep(0.01)
         for k, v in params.items():  # the step's optimizer
             v.copy_(w6[k])
         facts["packed"], facts["packed_again"] = early.params_final(), early.params_final()
