@@ -235,8 +235,11 @@ class DisaggWeightTransferEngine(WeightTransferEngine[DisaggInitInfo, DisaggUpda
         # Where the plan covers the whole layout (one group's dense receive), each bucket is loaded at
         # once: one fused copy.
         plan = self._plans.get(self._plan_key) if self.load_mode == "direct" else None
-        replay = (plan.bucket_replay(manifest) if plan is not None and not self.info.verify and self.images is None
-                  and self.info.source == "gather" else None)
+        by_parts = plan is not None and not self.info.verify and self.images is None
+        replay = plan.bucket_replay(manifest) if by_parts and self.info.source == "gather" else None
+        parts = (PartLoader(plan.part_names, self._load_part,
+                            bucket=None if replay is None else functools.partial(self._load_bucket, replay))
+                 if by_parts else None)
         self._plan_note = ("learned" if learning else "replayed by bucket" if replay is not None
                            else "replayed" if plan is not None else "loader" if self.load_mode == "direct" else "")
         go = None
@@ -252,9 +255,6 @@ class DisaggWeightTransferEngine(WeightTransferEngine[DisaggInitInfo, DisaggUpda
                 finally:  # the wait before the announce: not part of the sync's time
                     self._times["armed_wait_s"] = max(self._times.get("armed_wait_s", 0.0), time.perf_counter() - t)
                     self._times["armed_go_unix_s"] = time.time()  # the sync's part starts here
-        parts = (PartLoader(plan.part_names, self._load_part,
-                            bucket=None if replay is None else functools.partial(self._load_bucket, replay))
-                 if plan is not None and not self.info.verify and self.images is None else None)
         try:
             # A delta loads every tensor where vLLM's layerwise reload needs whole layers, and where a
             # copy plan is being learned (it must see every tensor); direct loads replay only what changed.
