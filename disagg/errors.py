@@ -46,3 +46,10 @@ class SyncCancelled(DisaggError):
 class DeltaRefused(TransportError):
     """A delta sync was made against a version this receiver does not hold. It took the whole sync
     off the wire (the group stays in step) and loaded nothing; it needs a dense sync."""
+
+
+def brief(e: BaseException) -> str:
+    """``e``'s first line (its type's name where it says nothing), at most 400 characters: for a
+    message that wraps it."""
+    text = str(e).strip()
+    return (text.splitlines()[0] if text else type(e).__name__)[:400]

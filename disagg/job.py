@@ -103,7 +103,8 @@ class Job:
         self.armed: ArmedReceive | None = None
         self._arm_ids = 0
         self._last_sync_s: float | None = None  # the last sync's announce -> serving (``sync_stats``)
-        self._signals = None  # StoreSignals: the driver's word to armed pushes, into each group's store
+        self._signals = None  # the driver's word to armed pushes and receives (transport.signals: signals.py)
+        self.signals = cfg.transport.signals  # how the groups' words travel (set_signals: benchmarks)
 
     @classmethod
     def start(cls, cfg: Config, run_dir: Path, model_path: Path | str) -> "Job":
@@ -184,6 +185,8 @@ class Job:
         from disagg.transport.sync import source_groups_needed
 
         self.disarm()  # an armed receive waits on the group being replaced
+        if self._signals is not None:
+            self._signals.close()
         self._signals = None
         self.transport_epoch += 1
         t = self.cfg.transport.timeout_s
@@ -194,9 +197,9 @@ class Job:
         t0 = time.perf_counter()
         refs = [self.trainer.transport_method(r, "init_transport").remote(host=h, port=p, world_size=world,
                                                                           backend=self.backend, timeout_s=t,
-                                                                          group_name=name)
+                                                                          group_name=name, signals=self.signals)
                 for r, (h, p, name) in enumerate(endpoints)]
-        refs += self.rollout.init_transport_async(endpoints, world, self.backend, t)
+        refs += self.rollout.init_transport_async(endpoints, world, self.backend, t, self.signals)
         self.coordinator.state.set_transport_members(self.rollout.engine_ids)
         what = f"transport rendezvous ({n_groups} group(s) of {world} ranks, epoch {self.transport_epoch})"
         try:
@@ -204,11 +207,23 @@ class Job:
         except TimeoutError as e:
             raise TransportError(f"{what}: {e}") from e
         if self.trainer.overlap_push:  # armed pushes wait on the transport thread for the driver's word
-            from disagg.transport.group import StoreSignals
+            from disagg.transport.signals import driver_signals
 
-            self._signals = StoreSignals(endpoints, timeout_s=t)
-        log.info("transport up: %d group(s) of %d ranks, backend %s, source %s, %.2fs", n_groups, world,
-                 self.backend, self.cfg.transport.source, time.perf_counter() - t0)
+            self._signals = driver_signals(endpoints, world, t, self.signals)
+        log.info("transport up: %d group(s) of %d ranks, backend %s, source %s, words via %s, %.2fs", n_groups,
+                 world, self.backend, self.cfg.transport.source, self.signals, time.perf_counter() - t0)
+
+    def set_signals(self, signals: str) -> None:
+        """Benchmarks: the groups' words travel by ``signals`` from now on (``transport.signals``: socket or
+        store), the transport rebuilt for it (a new epoch); each way's syncs side by side in one run
+        (``disagg bench vllm-sync --signals``). Call only between syncs."""
+        from disagg.transport.signals import SIGNALS
+
+        if signals not in SIGNALS:
+            raise ValueError(f"set_signals: transport.signals must be one of {SIGNALS}, got {signals!r}")
+        if signals != self.signals:
+            self.signals = signals
+            self.init_transport()
 
     def sync_weights(self, policy_version: int, trainer_step: int) -> SyncStats:
         """Announce ``policy_version`` and broadcast it to every engine; returns when all acked."""
@@ -432,6 +447,9 @@ class Job:
     def shutdown(self) -> None:
         if self.armed is not None and self.trainer is not None:
             self.disarm(timeout_s=10.0)  # the engines' workers return before their actors are stopped
+        if self._signals is not None:
+            self._signals.close()
+            self._signals = None
         if self.rollout is not None:
             self.rollout.shutdown()
         if self.trainer is not None:

@@ -35,7 +35,10 @@ host's clock; the engine core steps again from there), without the answers' way 
 
 With ``--first-buckets 0,32M`` the blocks run once per value of ``transport.first_bucket_bytes`` (the
 buckets' ramp; 0: every bucket full), the trainer re-planning its buckets between passes
-(``Job.replan_buckets``): each layout's syncs side by side in one run, labelled with it.
+(``Job.replan_buckets``): each layout's syncs side by side in one run, labelled with it. With
+``--signals store,socket`` they run once per ``transport.signals`` (how the words that start an armed
+sync travel), the transport rebuilt between passes (``Job.set_signals``); the armed blocks' words are
+compared side by side: when the trainer's push and each engine's worker had theirs, and the sync.
 
 and reports medians: each mode's seconds, raw / sync (the share of the raw rate a sync reaches), the
 fixed cost (sync - raw), the phases, and the peer's seconds against disagg's fastest mode. Nothing
@@ -103,6 +106,7 @@ class VllmSyncOptions:
     delta_lr: float = 1e-6  # --delta: the trainer's AdamW learning rate (its steps make the versions)
     nccl_socket: bool = False  # NCCL over its socket transport (no NVLink, no shared memory): two nodes' stand-in
     first_buckets: tuple[int, ...] = ()  # transport.first_bucket_bytes, a pass of the blocks each; (): the config's
+    signals: tuple[str, ...] = ()  # transport.signals, a pass of the blocks each; (): the config's
 
 
 def resolve_options(given: dict[str, Any], gpus: int) -> VllmSyncOptions:
@@ -120,6 +124,9 @@ def resolve_options(given: dict[str, Any], gpus: int) -> VllmSyncOptions:
         raise ValueError(f"--peer: unknown peer {values['peer']!r} ({', '.join(PEERS)})")
     if values.get("nccl_socket") and device != "cuda":
         raise ValueError("--nccl-socket needs --device cuda (it sets NCCL's transports)")
+    bad = [s for s in values.get("signals", ()) if s not in ("store", "socket")]
+    if bad or len(set(values.get("signals", ()))) != len(values.get("signals", ())):
+        raise ValueError(f"--signals: each of store, socket at most once, got {list(values['signals'])}")
     if values.get("peer") is not None and device != "cuda":
         raise ValueError(f"--peer {values['peer']} needs --device cuda ({PEERS[values['peer']]})")
     values["loads"] = loads
@@ -214,11 +221,14 @@ def run(o: VllmSyncOptions) -> dict[str, Any]:
         blocks += [(o.loads[0], False, True)] if o.snapshot else []
         ramps = o.first_buckets or (cfg.transport.first_bucket_bytes,)
         named = len(ramps) > 1  # the labels say which layout
+        ways = o.signals or (cfg.transport.signals,)
 
-        def label_of(mode: str, armed: bool, from_snapshot: bool, first: int) -> str:
-            return _label(mode, armed, from_snapshot) + (f", {_ramp_label(first)}" if named else "")
+        def label_of(mode: str, armed: bool, from_snapshot: bool, first: int, way: str) -> str:
+            return (_label(mode, armed, from_snapshot) + (f", {_ramp_label(first)}" if named else "")
+                    + (f", {_signals_label(way)}" if len(ways) > 1 else ""))
 
-        syncs: dict[str, list[dict[str, Any]]] = {label_of(m, a, snap, f): [] for f in ramps for m, a, snap in blocks}
+        syncs: dict[str, list[dict[str, Any]]] = {label_of(m, a, snap, f, w): [] for w in ways for f in ramps
+                                                  for m, a, snap in blocks}
         snapshots: list[dict[str, float]] = []
         resolved = {}
         peer_info = _peer_init(job, cfg, o.peer) if o.peer else None
@@ -230,9 +240,10 @@ def run(o: VllmSyncOptions) -> dict[str, Any]:
 
         # Each mode in a block of its own (a direct load replays its copy plan from the second sync of
         # a block on: the first learns it), each timed sync beside a raw broadcast of the same bytes.
-        for first, block in itertools.product(ramps, blocks):
+        for way, first, block in itertools.product(ways, ramps, blocks):
             mode, armed, from_snapshot = block
-            label = label_of(mode, armed, from_snapshot, first)
+            label = label_of(mode, armed, from_snapshot, first, way)
+            job.set_signals(way)  # (a pass's first block rebuilds the transport for it; later ones keep it)
             if named and block == blocks[0]:  # a layout's first block: the trainer re-plans its buckets
                 report.setdefault("layouts", {})[_ramp_label(first)] = job.replan_buckets(first)  # its bucket count
             resolved[mode] = ray.get([e.set_load_mode.remote(mode) for e in engines], timeout=60)[0]
@@ -269,6 +280,8 @@ def run(o: VllmSyncOptions) -> dict[str, Any]:
                                   "bytes": snapshots[0]["bytes"]}
         report.update(summarise(raw_s, syncs, peer_s, register_s), raw_all_s=raw_s, syncs=syncs,
                       resolved_loads=resolved, peer_all_s=peer_s, peer_all=peer_runs)
+        if len(ways) > 1:
+            report["words"] = compare_words(report["modes"], [_signals_label(w) for w in ways])
         if o.delta:
             report["delta"] = delta_summary(syncs, o.loads[0])
     finally:
@@ -291,9 +304,10 @@ def _timed_sync(job, raw, version: int, armed: bool, from_snapshot: bool,
         snapshots += ray.get([job.trainer.transport_method(w, "take_snapshot").remote(version)
                               for w in range(len(job.trainer.workers))], timeout=cfg.transport.timeout_s)
     s = job.finish_sync(job.start_sync(version, trainer_step=version - 1, from_snapshot=from_snapshot))
-    plan = ray.get(job.rollout.engines[0].get_transfer_stats.remote(), timeout=60).get("copy_plan", "")
+    worker = ray.get(job.rollout.engines[0].get_transfer_stats.remote(), timeout=60)
     return r, {"seconds": s.seconds, "send_s": s.send_s, "phases": s.engine_phases, "timeline": s.timeline,
-               "copy_plan": plan, "num_buckets": s.num_buckets,
+               "copy_plan": worker.get("copy_plan", ""), "signals": worker.get("signals", ""),
+               "num_buckets": s.num_buckets,
                "wire_bytes": s.wire_bytes if s.wire_bytes is not None else s.bytes,
                "bytes": s.bytes, "changed_fraction": s.changed_fraction}
 
@@ -398,6 +412,35 @@ def _arm_and_end_step(job, version: int) -> None:
 
 
 SNAPSHOT = "from a snapshot"
+WORD_EVENTS = ("trainer_in", "worker_word", "trainer_header", "wire_start", "worker_out")  # compare_words' columns
+
+
+def _signals_label(way: str) -> str:
+    return f"words via {way}"
+
+
+def compare_words(modes: dict[str, dict[str, Any]], ways: list[str]) -> dict[str, dict[str, Any]]:
+    """``--signals``: for each armed block, its armed sync's word events (``WORD_EVENTS``: seconds after
+    the announce, medians) under each way the words went, and the serving time of each against the
+    first way's; keyed by the block's label without the way. Pure."""
+    out: dict[str, dict[str, Any]] = {}
+    for label, m in modes.items():
+        if ", armed" not in label or not label.endswith(ways[0]):
+            continue
+        block = label[: -len(ways[0])].rstrip(", ")
+        rows = {}
+        for way in ways:
+            other = modes.get(f"{block}, {way}")
+            if other is None or "announce_to_serving_s" not in other:
+                break
+            rows[way] = {k: other["timeline"][k] for k in WORD_EVENTS if k in other["timeline"]}
+            rows[way]["serving_s"] = other["announce_to_serving_s"]
+        else:
+            base = rows[ways[0]]["serving_s"]
+            for way in ways:
+                rows[way]["serving_vs_first"] = base / rows[way]["serving_s"] if rows[way]["serving_s"] > 0 else None
+            out[block] = rows
+    return out
 
 
 def _label(mode: str, armed: bool, from_snapshot: bool = False) -> str:
@@ -520,6 +563,13 @@ def render(report: dict[str, Any]) -> None:
             table.add_row("  timeline, seconds after the announce (medians):", "", "", "")
             for k, v in m["timeline"].items():
                 table.add_row(f"    {k}: {TIMELINE[k]}", f"{v:.4f}", "", "")
+    for block, rows in report.get("words", {}).items():  # --signals: the armed words side by side
+        first = next(iter(rows))
+        table.add_row(f"{block}: the words, seconds after the announce (medians)", "", "", "")
+        for way, r in rows.items():
+            events = ", ".join(f"{k} {1e3 * r[k]:.2f} ms" for k in WORD_EVENTS if k in r)
+            table.add_row(f"  {way}: {events}", f"{r['serving_s']:.4f}", "",
+                          f"{r['serving_vs_first']:.2f} ({first} / this)" if r["serving_vs_first"] else "")
     if "delta" in report:
         d = report["delta"]
         table.add_row(f"delta after a step vs dense after a step (changed {100 * d['changed_fraction']:.2f} %, "
@@ -540,7 +590,8 @@ def render(report: dict[str, Any]) -> None:
             table.add_row("  disagg's fastest sync against register + update",
                           f"{p['disagg_speedup_with_register']:.2f}x", "", "")
     table.caption = f"trainer: {report.get('trainer', '')}"
-    Console().print(table)
+    # into a file or a pipe (a GPU queue's log, a test) at a width that keeps each row on one line
+    Console(width=None if sys.stdout.isatty() else 220).print(table)
 
 
 def main(argv: list[str]) -> int:
@@ -571,6 +622,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--first-buckets", default=None, metavar="SIZES",
                    help="run the blocks once per transport.first_bucket_bytes in this list (e.g. 0,32M: "
                         "without and with the buckets' ramp), side by side")
+    p.add_argument("--signals", default=None, metavar="WAYS",
+                   help="run the blocks once per transport.signals in this list (store,socket: the words that "
+                        "start an armed sync through the groups' stores, then over sockets), side by side")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the report as JSON")
     p.add_argument("overrides", nargs="*", metavar="key=value",
                    help="`disagg train` overrides (e.g. shape=qwen2.5-1.5b cluster=gpu)")
@@ -581,6 +635,7 @@ def main(argv: list[str]) -> int:
         a["first_buckets"] = parse_sizes(a["first_buckets"]) if a["first_buckets"] else ()
     except ValueError as e:
         p.error(str(e))
+    a["signals"] = tuple(a["signals"].split(",")) if a["signals"] else ()
     a["overrides"] = tuple(a["overrides"])
     bad = [x for x in a["overrides"] if "=" not in x]
     if bad:

@@ -229,6 +229,13 @@ class TransportConfig:
     trainer worker and each engine worker, and a comparison pass per sync. 'auto': the same copies,
     and each sync goes as a delta or dense, whichever the syncs before took less time for (a delta
     tried again every 8 dense syncs; ``weight_sync/delta`` says which). 'off': every sync dense."""
+    signals: Literal["socket", "store"] = "socket"
+    """How the words that start and call off an armed sync travel (the driver's word to the trainer's
+    push and the engines' receives, the trainer's to the engines): 'socket', a TCP connection from
+    each sayer to a port each member listens on (one more port per trainer rank and engine worker,
+    published in the group's store), where the waiting thread itself wakes; 'store', keys in the
+    group's TCPStore, where a word wakes the store's server thread in the trainer's process and then
+    the waiting client."""
     arm: bool = True
     """With ``algorithm.max_staleness`` = 0 (the engines idle while the trainer trains): every engine's
     receive of the coming version waits on the transport group during the train step, so the sync

@@ -300,15 +300,16 @@ class EngineActor(EngineSync, EnginePeers):
 
     # ---- weight sync -----------------------------------------------------------------
     async def init_transport(self, *, groups: list[list], world_size: int, rank_offset: int, backend: str,
-                             timeout_s: float) -> None:
-        """Join the transport groups ([host, port, name] each; run concurrently with the trainer's join)."""
+                             timeout_s: float, signals: str = "store") -> None:
+        """Join the transport groups ([host, port, name] each; run concurrently with the trainer's join);
+        ``signals``: how their words travel (``transport.signals``, as the driver says)."""
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
         info = dict(groups=groups, world_size=world_size, rank_offset=rank_offset, backend=backend,
                     timeout_s=timeout_s, source=self.transport_cfg.source,
                     num_buffers=self.transport_cfg.num_buffers, verify=self.transport_cfg.verify,
                     load=self.transport_cfg.load, delta=self.transport_cfg.delta != "off",
-                    high_priority=self.transport_cfg.nccl_high_priority)
+                    high_priority=self.transport_cfg.nccl_high_priority, signals=signals)
         await self._engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info))
 
     async def ping(self) -> dict[str, Any]:

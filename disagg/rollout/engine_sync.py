@@ -85,6 +85,7 @@ class EngineSync:
             phases["armed_wait_s"] = waited
             phases["manifest_s"] = phases["quiesce_s"] = 0.0
             phases["update_s"] = max(0.0, stamps["update_return"] - go)
+            stamps["worker_word"] = go
             before_go = max(0.0, go - stamps["engine_in"])
             recv_s = phases["update_s"]
         for key in ("load_s", "reload_init_s", "finalize_s"):  # the worker's own split of the update

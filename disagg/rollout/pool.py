@@ -187,11 +187,11 @@ class RolloutPool:
         return ray_get_logged(refs, what=what, timeout_s=self.timeout_s, log=log)
 
     def init_transport_async(self, endpoints: list[tuple[str, int, str]], world_size: int, backend: str,
-                             timeout_s: float) -> list:
+                             timeout_s: float, signals: str = "store") -> list:
         """Every engine joins every source group; worker k of engine i is rank 1 + i*tp + k in each."""
         tp = self.cfg.rollout.tensor_parallel_size
         return [e.init_transport.remote(groups=[list(x) for x in endpoints], world_size=world_size,
-                                        rank_offset=1 + i * tp, backend=backend, timeout_s=timeout_s)
+                                        rank_offset=1 + i * tp, backend=backend, timeout_s=timeout_s, signals=signals)
                 for i, e in enumerate(self.engines)]
 
     def receive_weights_async(self, policy_version: int, digest: str | None = None, ack: bool = True,

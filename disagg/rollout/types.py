@@ -114,10 +114,11 @@ class SyncReport:
 
 
 TIMELINE = {  # a sync's events, in their usual order -> what happened (the latest party's, where several)
-    "trainer_in": "the trainer's push started (Ray's dispatch to it)",
+    "trainer_in": "the trainer's push started (Ray's dispatch to it; armed: it had the driver's word)",
     "engine_in": "the engine actor's receive started (Ray's dispatch to it)",
     "update_call": "the engine called into vLLM's worker (manifest and quiesce done)",
     "worker_in": "vLLM's worker entered the update (the engine core picked the call up)",
+    "worker_word": "the engine's worker had its word (an armed receive: the driver's, or the trainer's)",
     "trainer_send": "the trainer's sender entered (the push's own set-up done)",
     "trainer_planned": "the sender planned its buckets' packing",
     "trainer_header_copied": "the header on the trainer's device (its broadcast next)",

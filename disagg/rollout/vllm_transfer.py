@@ -69,6 +69,7 @@ class DisaggInitInfo(WeightTransferInitInfo):
     load: str = "auto"  # transport.load: auto | layerwise | direct
     delta: bool = False  # transport.delta on or auto: receive with receive_delta onto an image per group
     high_priority: bool = False  # transport.nccl_high_priority: the group's stream at the highest CUDA priority
+    signals: str = "store"  # transport.signals: the group's words through its store or to doorbells (sockets)
 
 
 def resolve_load_mode(requested: str, device_type: str, quantized: bool) -> str:
@@ -131,7 +132,7 @@ class DisaggWeightTransferEngine(WeightTransferEngine[DisaggInitInfo, DisaggUpda
         self.groups = [
             create_group(host=host, port=int(port), rank=rank, world_size=init_info.world_size,
                          backend=init_info.backend, timeout_s=init_info.timeout_s, group_name=name, device=self.device,
-                         high_priority=init_info.high_priority)
+                         high_priority=init_info.high_priority, signals=init_info.signals)
             for host, port, name in init_info.groups
         ]
         # New groups: this worker holds nothing of the trainer's yet, and the first sync is dense.
@@ -221,7 +222,8 @@ class DisaggWeightTransferEngine(WeightTransferEngine[DisaggInitInfo, DisaggUpda
             raise RuntimeError("disagg weight transfer: init_weight_transfer_engine was never called")
         manifest = self._manifest_for(update_info)
         digest = manifest.layout_digest()
-        self.last_stats = {"policy_version": manifest.policy_version, "rejected": None, "load_mode": self.load_mode}
+        self.last_stats = {"policy_version": manifest.policy_version, "rejected": None, "load_mode": self.load_mode,
+                           "signals": self.groups[0].signals}  # how this worker's groups take their words
         self._plan_key = None
         if self.load_mode == "direct":
             # where every parameter's memory lives now (a few hundred pointers: microseconds)

@@ -27,8 +27,9 @@ class TrainerPush:
     """``TrainerWorker``'s weight push (its transport group, manifests, snapshots, pushes)."""
 
     def init_transport(self, *, host: str, port: int, world_size: int, backend: str, timeout_s: float,
-                       group_name: str) -> None:
-        """Join this rank's source group as its rank 0 (hosting its TCPStore)."""
+                       group_name: str, signals: str = "store") -> None:
+        """Join this rank's source group as its rank 0 (hosting its TCPStore); ``signals``: how its words
+        travel (``transport.signals``, as the driver says: every member of a group alike)."""
         from disagg.transport.delta import DeltaChooser, DeltaImage
         from disagg.transport.group import create_group
         from disagg.transport.sender import WeightSender
@@ -37,7 +38,7 @@ class TrainerPush:
             self.group.destroy()
         self.group = create_group(host=host, port=port, rank=0, world_size=world_size, backend=backend,
                                   timeout_s=timeout_s, group_name=group_name, device=self.device,
-                                  high_priority=self.transport_cfg.nccl_high_priority)
+                                  high_priority=self.transport_cfg.nccl_high_priority, signals=signals)
         # Packed where the parameters live: over gloo from a GPU the buckets leave it whole.
         self.sender = WeightSender(self.group, 0, self.transport_cfg.num_buffers, self.transport_cfg.verify,
                                    device=self.device)

@@ -43,6 +43,8 @@ import torch.distributed as dist
 from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
 
 from disagg.errors import TransportError
+from disagg.errors import brief as _brief  # (one name for it in this module's many messages)
+from disagg.transport.signals import SIGNALS, BellError, Bells, Doorbell, parse_address
 
 log = logging.getLogger(__name__)
 
@@ -138,11 +140,6 @@ def _self_connected(sock: socket.socket) -> bool:
         return False
 
 
-def _brief(e: BaseException) -> str:
-    text = str(e).strip()
-    return (text.splitlines()[0] if text else type(e).__name__)[:400]
-
-
 def _local_address(host: str, port: int) -> str:
     """The local address on the route to ``host``: what peers can reach this rank at."""
     family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
@@ -156,7 +153,7 @@ class TransportGroup:
 
     def __init__(self, *, pg: dist.ProcessGroup, store: TCPStore, name: str, rank: int,
                  world_size: int, backend: str, device: torch.device, timeout_s: float,
-                 store_addr: tuple[str, int]) -> None:
+                 store_addr: tuple[str, int], doorbell: Doorbell | None = None) -> None:
         self._pg: dist.ProcessGroup | None = pg
         self._store: TCPStore | None = store  # rank 0 hosts it: keep it alive with the group
         self.name = name
@@ -172,6 +169,10 @@ class TransportGroup:
         self._prefix = PrefixStore(name, store)
         self._store_addr = store_addr  # (host, port): await_signal opens its own connection to it
         self._signals: PrefixStore | None = None  # a connection of its own for await_signal's long waits
+        # transport.signals=socket: words come to this member's doorbell and go to the others' (bells.py)
+        self._doorbell = doorbell
+        self._bells: Bells | None = None
+        self.signals = "socket" if doorbell is not None else "store"
         self._heartbeat = _Heartbeat(self._prefix, rank)
         self._heartbeat.start()
 
@@ -192,12 +193,36 @@ class TransportGroup:
         return ("dead peer(s): " + ", ".join(stale)) if stale else "no peer looks dead (all heartbeats fresh)"
 
     def signal(self, key: str, value: str) -> None:
-        """Set ``key`` in the group's store (``await_signal`` on another rank returns ``value``)."""
+        """Say ``value`` for ``key`` to the other members (``await_signal`` there returns it): set in the
+        group's store, or (``signals=socket``) rung on each other member's doorbell, where a member
+        that hung up (its process ended) is logged, not raised: its own part of the sync reports it."""
+        if self._doorbell is not None:
+            for failed in self._peer_bells().ring({key: value}):
+                log.warning("[transport:%s:%d] could not say %s=%s to a member: %s", self.name, self.rank, key,
+                            value, failed)
+            return
         try:
             self._prefix.set(key, value)
         except RuntimeError as e:
             raise TransportError(f"group {self.name!r} rank {self.rank}: cannot set {key!r} in the store hosted "
                                  f"by rank 0 ({_brief(e)})") from e
+
+    def connect_bells(self) -> None:
+        """(``signals=socket``) Open this member's connections to every other member's doorbell now, not
+        at its first word. Rank 0 does as the group is made: its connections' end tells the others it is
+        gone."""
+        self._peer_bells()
+
+    def _peer_bells(self) -> Bells:
+        if self._bells is None:
+            peers = [r for r in range(self.world_size) if r != self.rank]
+            try:
+                addresses = [parse_address(self._prefix.get(f"bell/{r}").decode()) for r in peers]
+                self._bells = Bells(addresses, f"rank {self.rank}", self.timeout_s)
+            except (RuntimeError, OSError) as e:
+                raise TransportError(f"group {self.name!r} rank {self.rank}: cannot reach the doorbells of ranks "
+                                     f"{peers} ({_brief(e)})") from e
+        return self._bells
 
     def await_signal(self, key: str, timeout_s: float, what: str) -> str:
         """Block until ``key`` is set in the group's store (``signal``); its value.
@@ -207,6 +232,8 @@ class TransportGroup:
         thread logs progress every ``_PROGRESS_LOG_S``; rank 0 dying (it hosts the store) ends the
         wait at once. Raises ``TransportError`` naming ``what`` on the timeout or a lost store."""
         where = f"group {self.name!r} rank {self.rank}: waiting for {what}"
+        if self._doorbell is not None:
+            return self._await_bell(key, timeout_s, what, where)
         t0, done = time.monotonic(), threading.Event()
 
         def progress() -> None:
@@ -231,6 +258,20 @@ class TransportGroup:
                                  "likely dead") from e
         finally:
             done.set()
+
+    def _await_bell(self, key: str, timeout_s: float, what: str, where: str) -> str:
+        """``await_signal`` on this member's doorbell: its own thread blocks on the connections."""
+        def progress(waited_s: float) -> None:
+            log.info("[transport:%s:%d] still waiting for %s after %.0f s (timeout %.0f s)", self.name, self.rank,
+                     what, waited_s, timeout_s)
+
+        if self._broken == "destroyed":
+            raise TransportError(f"{where}: the group was destroyed")
+        try:
+            return self._doorbell.wait(key, timeout_s, progress, _PROGRESS_LOG_S)
+        except BellError as e:
+            raise TransportError(f"{where}: rank 0 hung up ({e}): rank 0 is likely dead" if e.gone else
+                                 f"{where}: nothing within {timeout_s:.0f} s") from e
 
     def broadcast(self, tensor: torch.Tensor, src: int, *, count_bytes: bool = True) -> None:
         """Broadcast ``tensor`` in place from rank ``src``; blocks until done or raises.
@@ -276,6 +317,11 @@ class TransportGroup:
         self._heartbeat.stop()
         self._release_pg()
         self._store, self._signals = None, None
+        bells, self._bells = self._bells, None
+        if bells is not None:
+            bells.close()
+        if self._doorbell is not None:
+            self._doorbell.close()
         if self._broken is None:
             self._broken = "destroyed"
 
@@ -343,35 +389,6 @@ class TransportGroup:
             pg.shutdown()
 
 
-class StoreSignals:
-    """Signals into transport groups' stores from a process that is no member of them (the driver):
-    one client connection to each group's store, keys under the group's prefix as
-    ``TransportGroup.signal`` sets them, so ``await_signal`` on a member returns the value. Made once
-    per group epoch; a set is one round trip to the store (its host's process: the trainer rank)."""
-
-    def __init__(self, endpoints: list[tuple[str, int, str]], timeout_s: float) -> None:
-        self._stores = []
-        for host, port, name in endpoints:
-            try:
-                store = TCPStore(host, port, is_master=False, wait_for_workers=False,
-                                 timeout=timedelta(seconds=timeout_s))
-            except RuntimeError as e:
-                raise TransportError(f"group {name!r}: cannot reach the store at {host}:{port} ({_brief(e)})") from e
-            self._stores.append((name, PrefixStore(name, store)))
-
-    def signal(self, words: dict[str, str]) -> list[str]:
-        """Set each key of ``words`` to its value in every group's store, one round trip per store;
-        what failed, one line per group (a store that is gone: its host process died)."""
-        failed = []
-        keys, values = list(words), list(words.values())
-        for name, store in self._stores:
-            try:
-                store.multi_set(keys, values)
-            except RuntimeError as e:
-                failed.append(f"group {name!r}: {_brief(e)}")
-        return failed
-
-
 class PendingOp:
     """A started collective. ``wait()`` blocks with the group's timeout and counts its bytes once.
 
@@ -405,7 +422,8 @@ class PendingOp:
 
 
 def create_group(*, host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float,
-                 group_name: str, device: torch.device | None = None, high_priority: bool = False) -> TransportGroup:
+                 group_name: str, device: torch.device | None = None, high_priority: bool = False,
+                 signals: str = "store") -> TransportGroup:
     """Join weight-sync group ``group_name``; rank 0 hosts its store on ``host:port``.
 
     Every rank calls this with the same host, port, world size, backend and name.
@@ -414,9 +432,13 @@ def create_group(*, host: str, port: int, rank: int, world_size: int, backend: s
     the current one); gloo groups move CPU tensors. ``high_priority`` (NCCL): the group's
     collectives run on a stream of the highest CUDA priority, so their kernels take the SMs
     ahead of the packing and loading kernels queued beside them (``transport.nccl_high_priority``).
+    ``signals`` (``transport.signals``): how ``signal`` / ``await_signal`` words travel, through the
+    store or (``socket``) to a doorbell each member listens on (``bells.py``).
     """
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"transport backend must be 'gloo' or 'nccl', got {backend!r}")
+    if signals not in SIGNALS:
+        raise ValueError(f"transport.signals must be one of {SIGNALS}, got {signals!r}")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} outside world of {world_size}")
     if timeout_s <= 0:
@@ -440,7 +462,21 @@ def create_group(*, host: str, port: int, rank: int, world_size: int, backend: s
             raise TransportError(f"{where}: could not reach the store hosted by rank 0 within {timeout_s:.1f} s "
                                  f"(missing ranks: [0]): {_brief(e)}") from e
     prefix = PrefixStore(group_name, store)
-    _join(prefix, rank, world_size, deadline, timeout_s, where)
+    doorbell = None
+    if signals == "socket":  # published before this rank's join key: every address is there once all joined
+        try:
+            doorbell = Doorbell(_local_address(host, port))
+            prefix.set(f"bell/{rank}", f"{doorbell.address[0]}:{doorbell.address[1]}")
+        except (OSError, RuntimeError) as e:
+            if doorbell is not None:
+                doorbell.close()
+            raise TransportError(f"{where}: could not open this rank's doorbell: {_brief(e)}") from e
+    try:
+        _join(prefix, rank, world_size, deadline, timeout_s, where)
+    except TransportError:
+        if doorbell is not None:
+            doorbell.close()
+        raise
 
     if backend == "gloo":
         device = torch.device("cpu")
@@ -461,9 +497,18 @@ def create_group(*, host: str, port: int, rank: int, world_size: int, backend: s
     try:
         pg = make()
     except RuntimeError as e:
+        if doorbell is not None:
+            doorbell.close()
         raise TransportError(f"{where}: could not connect the {backend} group: {_brief(e)}") from e
     group = TransportGroup(pg=pg, store=store, name=group_name, rank=rank, world_size=world_size,
-                           backend=backend, device=device, timeout_s=timeout_s, store_addr=(host, port))
+                           backend=backend, device=device, timeout_s=timeout_s, store_addr=(host, port),
+                           doorbell=doorbell)
+    if doorbell is not None and rank == 0:
+        try:
+            group.connect_bells()  # rank 0's words go down these; their end tells the others it is gone
+        except TransportError:
+            group.destroy()
+            raise
     # Every rank has built its group (NCCL: its communicator) before anyone uses it.
     group.barrier()
     log.info("[transport:%s:%d] joined %s group of %d", group_name, rank, backend, world_size)

@@ -154,28 +154,39 @@ def test_bench_vllm_sync_times_a_raw_broadcast_and_each_syncs_phases(tmp_path):
     assert "delta after a step vs dense after a step" in proc.stdout
 
 
-@pytest.mark.timeout(400)
-def test_the_bench_runs_its_blocks_once_per_bucket_layout_side_by_side(tmp_path):
+@pytest.mark.timeout(500)
+def test_the_bench_runs_its_blocks_once_per_bucket_layout_and_per_way_of_the_words_side_by_side(tmp_path):
     """--first-buckets 0,32K: the trainer re-plans its buckets between the passes (all full, then ramping
-    from 32 KiB to the 256 KiB buckets and back); the engine takes each new layout at its next sync."""
+    from 32 KiB to the 256 KiB buckets and back); the engine takes each new layout at its next sync.
+    --signals store,socket: each layout's passes once with the words through the groups' stores, then
+    over sockets (the transport rebuilt between them); the armed words compared side by side."""
     out = tmp_path / "vs.json"
     cmd = [sys.executable, "-m", "disagg", "bench", "vllm-sync", "--device", "cpu", "--repeats", "1", "--warmup", "1",
-           "--no-snapshot", "--first-buckets", "0,32K", "--run-dir", str(tmp_path / "run"), "--json", str(out),
-           "transport.dtype=bfloat16", "transport.bucket_bytes=262144", "rollout.gpu_memory_utilization=0.06"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=360)
+           "--no-snapshot", "--first-buckets", "0,32K", "--signals", "store,socket", "--run-dir", str(tmp_path / "run"),
+           "--json", str(out), "transport.dtype=bfloat16", "transport.bucket_bytes=262144",
+           "rollout.gpu_memory_utilization=0.06"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=460)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(out.read_text())
     full, ramp = "buckets all full", "buckets ramp from 32 KiB"
     assert set(r["layouts"]) == {full, ramp} and r["layouts"][ramp] > r["layouts"][full] >= 2, r["layouts"]
-    for layout in (full, ramp):
-        for block in ("layerwise", "layerwise, armed"):
-            runs = r["syncs"][f"{block}, {layout}"]
-            # every byte of the version went, in that layout's buckets
-            assert len(runs) == 1 and [x["num_buckets"] for x in runs] == [r["layouts"][layout]], runs
-            assert runs[0]["bytes"] == r["bytes"] and r["modes"][f"{block}, {layout}"]["seconds"] > 0
-        # armed (bf16 on the wire: packed, dense): the run-up's step end packed the push's first buckets
-        # (EarlyPack), after its set-up and before the announce; the dispatched push packs at its start
-        t = r["syncs"][f"layerwise, armed, {layout}"][0]["timeline"]
-        assert t["trainer_header_copied"] < t["trainer_early_packed"] < 0 < t["trainer_header"], t
-        assert "trainer_early_packed" not in r["syncs"][f"layerwise, {layout}"][0]["timeline"]
+    for way in ("store", "socket"):
+        words = f"words via {way}"
+        for layout in (full, ramp):
+            for block in ("layerwise", "layerwise, armed"):
+                runs = r["syncs"][f"{block}, {layout}, {words}"]
+                # every byte of the version went, in that layout's buckets, over groups whose words went that way
+                assert len(runs) == 1 and [x["num_buckets"] for x in runs] == [r["layouts"][layout]], runs
+                assert runs[0]["bytes"] == r["bytes"] and runs[0]["signals"] == way, runs
+                assert r["modes"][f"{block}, {layout}, {words}"]["seconds"] > 0
+            # armed (bf16 on the wire: packed, dense): the run-up's step end packed the push's first buckets
+            # (EarlyPack), after its set-up and before the announce; the dispatched push packs at its start
+            t = r["syncs"][f"layerwise, armed, {layout}, {words}"][0]["timeline"]
+            assert t["trainer_header_copied"] < t["trainer_early_packed"] < 0 < t["trainer_header"], t
+            assert "trainer_early_packed" not in r["syncs"][f"layerwise, {layout}, {words}"][0]["timeline"]
+            # the driver's word after the announce reached the push and the engine's worker, then the wire began
+            assert 0 < t["trainer_in"] < t["trainer_header"] and 0 < t["worker_word"] < t["wire_start"], t
+            w = r["words"][f"layerwise, armed, {layout}"][words]
+            assert w["trainer_in"] == r["modes"][f"layerwise, armed, {layout}, {words}"]["timeline"]["trainer_in"]
     assert f"layout: {ramp} ({r['layouts'][ramp]} buckets)" in proc.stdout
+    assert "the words, seconds after the announce" in proc.stdout and "words via socket: trainer_in" in proc.stdout

@@ -61,9 +61,9 @@ def _zeroed_net() -> _Net:
     return net
 
 
-def _group(rank: int, world: int, port: int, timeout_s: float = TIMEOUT_S):
+def _group(rank: int, world: int, port: int, timeout_s: float = TIMEOUT_S, signals: str = "store"):
     return create_group(host=HOST, port=port, rank=rank, world_size=world, backend="gloo",
-                        timeout_s=timeout_s, group_name="weights", device=None)
+                        timeout_s=timeout_s, group_name="weights", device=None, signals=signals)
 
 
 def _sync(rank: int, world: int, port: int) -> dict:
@@ -143,19 +143,21 @@ def _kill_receiver(rank: int, world: int, port: int) -> dict:
         group.destroy()
 
 
-def _armed(rank: int, world: int, port: int) -> dict:
+def _armed(rank: int, world: int, port: int, signals: str = "store") -> dict:
     """Armed receives (the engines' wait in transport.arm): woken by the sender's word; by an armed
     push's (``send(go=...)``: the send set up before its go, the wire right after it; called off in
     its go with nothing on the wire); by the driver's words to every party at once
-    (``StoreSignals``, a client of the store that is no member of the group), called off by it, and
-    ended by its death (it hosts the store) well before their timeout."""
+    (``driver_signals``: a client of the store, or of every member's doorbell, that is no member of
+    the group), called off by it, and ended by its death (it hosts the store, and its connections to
+    the doorbells end with it) well before their timeout. The words go by ``signals``."""
     import json
 
     from disagg.errors import SyncCancelled
-    from disagg.transport.group import StoreSignals
+    from disagg.transport.signals import driver_signals
     from disagg.transport.sync import ARM_CANCEL, ARM_SEND, arm_key, armed_go, go_key
 
-    group = _group(rank, world, port)
+    group = _group(rank, world, port, signals=signals)
+    assert group.signals == signals
     w = _weights(5)
     w6 = _weights(6)
     m = build_manifest(w.items(), BUCKET_BYTES, policy_version=5)
@@ -184,10 +186,10 @@ def _armed(rank: int, world: int, port: int) -> dict:
             facts["off"] = str(e)
         group.signal(arm_key(12), ARM_CANCEL)
         group.signal("facts", json.dumps(facts))  # this rank ends by dying: its receiver reports them
-        driver = StoreSignals([(HOST, port, "weights")], timeout_s=TIMEOUT_S)
+        driver = driver_signals([(HOST, port, "weights")], world, TIMEOUT_S, signals)
         time.sleep(0.5)
         assert not driver.signal({go_key(2): ARM_CANCEL, arm_key(2): ARM_CANCEL})
-        assert group.await_signal(go_key(2), 5.0, "the driver's go") == ARM_CANCEL  # one multi_set: both keys
+        assert group.await_signal(go_key(2), 5.0, "the driver's go") == ARM_CANCEL  # one word each: both keys
         time.sleep(1.0)
         os._exit(0)  # armed receive 3 waits on a store that is gone
     net = _zeroed_net()
@@ -488,8 +490,11 @@ def test_an_armed_push_packs_its_first_buckets_as_the_step_ends_and_they_arrive_
     assert rx["equal"] == {6: True, 7: True, 8: True}, rx  # the version the step made, bit for bit
 
 
-def test_an_armed_receive_waits_for_the_senders_word_is_called_off_by_it_and_ends_when_it_dies() -> None:
-    reports, codes = _spawn(_armed, world=2, ranks=[0, 1])
+@pytest.mark.parametrize("signals", ["store", "socket"])
+def test_an_armed_receive_waits_for_the_senders_word_is_called_off_by_it_and_ends_when_it_dies(signals) -> None:
+    import functools
+
+    reports, codes = _spawn(functools.partial(_armed, signals=signals), world=2, ranks=[0, 1])
     rx = reports[1]
     assert rx["ok"], rx
     assert rx["equal"] and rx["waited_s"] >= 0.9  # woken by the word, not before it
@@ -502,4 +507,6 @@ def test_an_armed_receive_waits_for_the_senders_word_is_called_off_by_it_and_end
     assert facts["off"] == "the driver called it off" and "called off by the sender" in rx["push_off"]
     assert rx["push_off_unchanged"]
     assert "called off by the sender" in rx["cancelled"] and rx["unchanged"]
-    assert "unreachable" in rx["orphaned"] and rx["orphaned_s"] < 15  # not the 30 s timeout
+    # rank 0 gone: its store unreachable, or its connection to this doorbell ended; not the 30 s timeout
+    assert ("unreachable" if signals == "store" else "hung up") in rx["orphaned"], rx["orphaned"]
+    assert "rank 0 is likely dead" in rx["orphaned"] and rx["orphaned_s"] < 15
