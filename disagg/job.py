@@ -257,9 +257,12 @@ class Job:
         if self._manifest is None:
             self._manifest = self.trainer.manifest(policy_version)
         self._arm_ids += 1
+        # With the trainer's push armed too, its header goes out now and every worker takes it before
+        # the word (a dense push's: WeightSender.send(header_first=True)); after the word, only buckets.
         refs = self.rollout.receive_weights_async(policy_version, digest=self._manifest.layout_digest(), ack=False,
                                                   arm_id=self._arm_ids, arm_timeout_s=timeout_s,
-                                                  max_staleness=self.coordinator.state.max_staleness())
+                                                  max_staleness=self.coordinator.state.max_staleness(),
+                                                  arm_header=self._signals is not None)
         pushes = (self.trainer.push_weights_async(policy_version, False, self._arm_ids, go_timeout_s=timeout_s,
                                                   last_sync_s=self._take_last_sync_s())
                   if self._signals is not None else [])

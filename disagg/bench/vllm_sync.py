@@ -412,7 +412,7 @@ def _arm_and_end_step(job, version: int) -> None:
 
 
 SNAPSHOT = "from a snapshot"
-WORD_EVENTS = ("trainer_in", "worker_word", "trainer_header", "wire_start", "worker_out")  # compare_words' columns
+WORD_EVENTS = ("trainer_in", "worker_word", "trainer_first", "worker_posted", "worker_out")  # compare_words' columns
 
 
 def _signals_label(way: str) -> str:

@@ -38,7 +38,7 @@ class EngineSync:
 
     async def receive_weights(self, policy_version: int, manifest: dict | None = None, digest: str | None = None,
                               ack: bool = True, arm_id: int = 0, arm_timeout_s: float = 0.0,
-                              max_staleness: int | None = None) -> SyncReport:
+                              max_staleness: int | None = None, arm_header: bool = False) -> SyncReport:
         """Take ``policy_version`` off the wire (concurrently with the trainer's send).
 
         The manifest: ``manifest`` if given, else the one this engine holds when its layout digest is
@@ -52,7 +52,9 @@ class EngineSync:
         the report instead, sparing a call). ``arm_id``: an armed receive, made before the trainer has
         the version: the worker waits on the transport group, ready, until the trainer's push says go
         (within ``arm_timeout_s``), so the sync then costs the wire and nothing of Ray's or vLLM's
-        dispatch; called off by the trainer, it returns a report with ``cancelled`` set.
+        dispatch; called off by the trainer, it returns a report with ``cancelled`` set. ``arm_header``
+        (the trainer's push is armed too: ``Job.arm_sync``): the worker takes the push's header before
+        the word, so that after it only buckets are posted.
         ``max_staleness``: the run's limit; once the version serves, the requests that may be dropped
         and that no step can train any more stop (``_drop_stale``).
         """
@@ -62,7 +64,7 @@ class EngineSync:
         self._not_loading.clear()  # before the first await: a request arriving from now on waits
         try:
             m, recv_s, stats = await self._load(policy_version, manifest, digest, phases, stamps, arm_id,
-                                                arm_timeout_s)
+                                                arm_timeout_s, arm_header)
         finally:
             self._not_loading.set()
         self._report_state("READY")
@@ -93,7 +95,7 @@ class EngineSync:
                 phases[f"worker_{key}"] = float(stats[key])
         if "seconds" in stats:
             phases["worker_receive_s"] = float(stats["seconds"])
-        for key in ("worker_in", "wire_start", "wire_end", "loaded", "worker_out"):  # the worker's own clock readings
+        for key in ("worker_in", "wire_start", "worker_posted", "wire_end", "loaded", "worker_out"):  # the worker's clock
             if f"{key}_unix_s" in stats:
                 stamps[key] = float(stats[f"{key}_unix_s"])
         stamps["engine_out"] = time.time()
@@ -115,7 +117,7 @@ class EngineSync:
         return self._manifest
 
     async def _load(self, policy_version: int, manifest: dict | None, digest: str | None, phases: dict[str, float],
-                    stamps: dict[str, float], arm_id: int = 0, arm_timeout_s: float = 0.0):
+                    stamps: dict[str, float], arm_id: int = 0, arm_timeout_s: float = 0.0, arm_header: bool = False):
         """``receive_weights`` behind the closed gate: (the manifest, seconds on the wire, the worker's
         figures); the seconds of each phase go into ``phases``, the update call's clock readings
         into ``stamps``."""
@@ -138,7 +140,7 @@ class EngineSync:
         info = ({"digest": key, "policy_version": policy_version} if key == self._worker_layout
                 else {"manifest": m.to_dict()})
         if arm_id:
-            info.update(arm_id=arm_id, arm_timeout_s=arm_timeout_s)
+            info.update(arm_id=arm_id, arm_timeout_s=arm_timeout_s, arm_header=arm_header)
         self._worker_layout = None  # until this update went through
         try:
             # The cache reset, where one is needed, is queued in the engine core ahead of the update,

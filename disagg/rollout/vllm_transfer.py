@@ -91,6 +91,7 @@ class DisaggUpdateInfo(WeightTransferUpdateInfo):
     policy_version: int = 0
     arm_id: int = 0  # an armed receive (waits for the trainer's word in the group's store first); 0: not armed
     arm_timeout_s: float = 0.0  # how long an armed receive waits for that word
+    arm_header: bool = False  # the trainer's push is armed too: its header is taken before the word
 
 
 class DisaggWeightTransferEngine(WeightTransferEngine[DisaggInitInfo, DisaggUpdateInfo]):
@@ -263,7 +264,7 @@ class DisaggWeightTransferEngine(WeightTransferEngine[DisaggInitInfo, DisaggUpda
             stats = receive_model(self.groups, manifest, self._load, device=self.device, source=self.info.source,
                                   num_buffers=self.info.num_buffers, verify=self.info.verify, go=go,
                                   images=self.images, load_unchanged=self.load_mode != "direct" or learning,
-                                  parts=parts)
+                                  parts=parts, header_first=bool(update_info.arm_id and update_info.arm_header))
         except SyncCancelled as e:  # before any byte moved: the model is untouched
             self._learning = None
             self.last_stats["cancelled"] = str(e)
@@ -291,6 +292,7 @@ class DisaggWeightTransferEngine(WeightTransferEngine[DisaggInitInfo, DisaggUpda
         self.last_stats.update(bytes=stats.bytes, seconds=stats.seconds, num_buckets=stats.num_buckets,
                                num_tensors=stats.num_tensors, copy_plan=self._plan_note,
                                wire_start_unix_s=stats.header_unix_s, wire_end_unix_s=stats.wire_end_unix_s,
+                               worker_posted_unix_s=stats.posted_unix_s,
                                loaded_unix_s=stats.loaded_unix_s, **self._times)
 
     def finish_weight_update(self) -> None:

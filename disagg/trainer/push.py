@@ -202,7 +202,7 @@ class TrainerPush:
             return send_model(self.group, self.model, m, source=self.transport_cfg.source, trainer_rank=self.rank,
                               num_trainer_ranks=self.world_size, num_buffers=self.transport_cfg.num_buffers,
                               verify=self.transport_cfg.verify, sender=self.sender, params=tensors, image=image,
-                              dense=dense, estimate=estimate, go=go, early=early)
+                              dense=dense, estimate=estimate, go=go, early=early, header_first=go is not None)
 
         if arm_id and go_timeout_s is None and self.group is not None:
             # (an armed push's go woke the engines too: Job._go sets both words)

@@ -270,7 +270,7 @@ class TransportGroup:
         try:
             return self._doorbell.wait(key, timeout_s, progress, _PROGRESS_LOG_S)
         except BellError as e:
-            raise TransportError(f"{where}: rank 0 hung up ({e}): rank 0 is likely dead" if e.gone else
+            raise TransportError(f"{where}: {e}: rank 0 is likely dead" if e.gone else
                                  f"{where}: nothing within {timeout_s:.0f} s") from e
 
     def broadcast(self, tensor: torch.Tensor, src: int, *, count_bytes: bool = True) -> None:

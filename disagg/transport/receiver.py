@@ -37,7 +37,8 @@ class ReceiveStats:
     num_buckets: int
     num_tensors: int  # tensors handed to load_fn
     header_s: float = 0.0  # from the start to the sender's header matched: waiting for the sender
-    header_unix_s: float = 0.0  # the clock reading when it matched (where the wire starts)
+    header_unix_s: float = 0.0  # the clock reading when it matched (where the wire starts, unless header_first)
+    posted_unix_s: float = 0.0  # the first buckets' receives posted (the wire starts once the sender's are)
     wire_end_unix_s: float = 0.0  # the host saw the last bucket received (its ops complete)
     loaded_unix_s: float = 0.0  # the loads done on the device (the stream synchronised)
 
@@ -52,6 +53,7 @@ def receive_weights(
     verify: bool = False,
     go: Callable[[TransportGroup], None] | None = None,
     parts: PartLoader | None = None,
+    header_first: bool = False,
 ) -> ReceiveStats:
     """Receive one policy version from rank ``src`` and hand it to ``load_fn``.
 
@@ -69,7 +71,9 @@ def receive_weights(
 
     ``go`` (an armed receive): called with the group once everything is ready and before
     anything is posted; it returns when the sender is about to send, or raises (e.g.
-    ``SyncCancelled``) with the group still in step.
+    ``SyncCancelled``) with the group still in step. With ``header_first`` (the sender's armed
+    push sends its header before its word: ``WeightSender.send(header_first=True)``) the header
+    is taken and checked before ``go``, and only the buckets are posted after it.
 
     ``parts``: the tensors split over buckets it names go to it a part at a time, as their buckets
     arrive, instead of being assembled and handed to ``load_fn``; with its ``bucket``, whole buckets
@@ -82,9 +86,15 @@ def receive_weights(
     if verify and parts is not None:
         raise ValueError("receive_weights: parts are loaded as they arrive, which verify forbids")
     recv = _Receive(group, manifest, load_fn, device, src, num_buffers, verify, parts)
-    if go is not None:
+    if go is not None and header_first:
+        recv.take_header()
         go(group)
-    recv.start()
+        recv.t0 = time.perf_counter()  # the sync's part starts at the word (the header matched before it)
+        recv.post_first()
+    else:
+        if go is not None:
+            go(group)
+        recv.start()
     for i in range(len(manifest.buckets)):
         recv.take(i)
     return recv.finish()
@@ -109,6 +119,7 @@ class _Receive:
         self.header = torch.zeros(3, dtype=torch.int64, device=device)
         self.t0 = 0.0
         self.header_s = 0.0
+        self.posted_unix_s = 0.0
 
     def start(self) -> None:
         """Post the header and the first ``num_buffers`` buckets; return once the header matched."""
@@ -124,8 +135,7 @@ class _Receive:
             header_op.wait()
             _check_header(group, self.manifest, header)
             self.header_s = time.perf_counter() - self.t0
-        for i in range(min(self.num_buffers, len(self.buckets))):
-            self._post(i)
+        self.post_first()
         if early:
             header_op.wait()
             try:
@@ -135,6 +145,17 @@ class _Receive:
                 group.abandon(str(e))
                 raise
             self.header_s = time.perf_counter() - self.t0
+
+    def take_header(self) -> None:
+        """The header alone, taken and checked (``header_first``: before the armed receive's word)."""
+        self.group.broadcast_async(self.header, self.src, count_bytes=False).wait()
+        _check_header(self.group, self.manifest, self.header)
+
+    def post_first(self) -> None:
+        """Post the first ``num_buffers`` buckets' receives."""
+        for i in range(min(self.num_buffers, len(self.buckets))):
+            self._post(i)
+        self.posted_unix_s = time.time()
 
     def _post(self, i: int) -> None:
         plan = self.buckets[i]
@@ -196,7 +217,7 @@ class _Receive:
         stats = ReceiveStats(bytes=sum(p.nbytes for p in buckets), seconds=seconds, num_buckets=len(buckets),
                              num_tensors=self.num_tensors, header_s=self.header_s,
                              header_unix_s=loaded - (seconds - self.header_s), wire_end_unix_s=wire_end,
-                             loaded_unix_s=loaded)
+                             loaded_unix_s=loaded, posted_unix_s=self.posted_unix_s)
         log.debug("[transport:%s:%d] received policy_version=%d: %d tensors in %d buckets, %.1f MiB in %.3f s",
                   group.name, group.rank, manifest.policy_version, self.num_tensors, stats.num_buckets,
                   stats.bytes / 2**20, stats.seconds)
@@ -257,6 +278,7 @@ def receive_delta(group: TransportGroup, manifest: Manifest, load_fn: LoadFn, im
         if verify:
             ops.append(group.broadcast_async(checksum, src, count_bytes=False))
         posted.append((payload, checksum))
+    posted_unix_s = time.time()
     for op in ops:
         op.wait()
     wire_end = time.time()
@@ -299,7 +321,7 @@ def receive_delta(group: TransportGroup, manifest: Manifest, load_fn: LoadFn, im
     loaded = time.time()
     return ReceiveStats(bytes=wire, seconds=seconds, num_buckets=len(bufs), num_tensors=num_tensors,
                         header_s=header_s, header_unix_s=loaded - (seconds - header_s), wire_end_unix_s=wire_end,
-                        loaded_unix_s=loaded)
+                        loaded_unix_s=loaded, posted_unix_s=posted_unix_s)
 
 
 def _check_header(group: TransportGroup, manifest: Manifest, header: torch.Tensor) -> None:

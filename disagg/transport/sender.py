@@ -12,6 +12,7 @@ hands it full tensors. It never imports vLLM or Ray.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -72,10 +73,10 @@ class SendStats:
     encode_s: float = 0.0  # of seconds, a delta's packing and comparing before its first byte left
     estimate: tuple[float, float] | None = None  # a dense sync's ``delta.estimate`` (send_delta(estimate=True))
     stamps: dict[str, float] = field(default_factory=dict)
-    """Unix clock readings of the set-up before the header (``sync_timeline``'s ``trainer_*`` events):
-    ``send`` (the sender entered), ``planned`` (its buckets' packing planned), ``header_copied`` (the
-    header on the device, its broadcast next), ``early_packed`` (an armed push's first buckets packed
-    as the train step ended, ``EarlyPack``)."""
+    """Unix clock readings of the send's steps (``sync_timeline``'s ``trainer_*`` events): ``send`` (the
+    sender entered), ``planned`` (its buckets' packing planned), ``header_copied`` (the header on the
+    device, its broadcast next), ``early_packed`` (an armed push's first buckets packed as the train
+    step ended, ``EarlyPack``), ``first`` (the first bucket's broadcast posted)."""
     early_buckets: int = 0  # buckets packed before the driver's word (EarlyPack), sent without packing
 
 
@@ -254,6 +255,7 @@ class WeightSender:
         # 2026-11-27) the trainer's delta send took 47-59 ms with it and 31-33 ms without.
         self.one_read = bool(one_read)
         self._after_pack: Callable[[int, torch.Tensor], None] | None = None  # fault injection in tests
+        self._stream: torch.cuda.Stream | None = None  # a header's posted before the word (_header_stream)
         self._slots: list[dict[str, torch.Tensor]] = []
         self._slots_key: str | None = None
         # Bucket views of tensors that already lie in plan order (flat parameters), kept
@@ -263,6 +265,16 @@ class WeightSender:
         # Otherwise each bucket's packing copies as two lists of views (bucket slices, tensor
         # slices), kept the same way: a bucket is packed, cast included, by one fused call.
         self._packs: dict[tuple, list[tuple[list[torch.Tensor], list[torch.Tensor]]] | None] = {}
+
+    def _header_stream(self):
+        """Where a header that goes out before the driver's word (``send(header_first=True)``) is copied
+        and posted: on a GPU, a stream of its own, so that neither waits for the kernels of the train
+        step queued meanwhile."""
+        if self.group.device.type != "cuda":
+            return contextlib.nullcontext()
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.group.device)
+        return torch.cuda.stream(self._stream)
 
     def _addresses(self, manifest: Manifest, named_tensors: NamedTensors) -> tuple | None:
         """(the layout's digest, every tensor's address in manifest order): what the cached views of
@@ -336,7 +348,7 @@ class WeightSender:
     @torch.no_grad()
     def send(self, manifest: Manifest, named_tensors: NamedTensors | None = None,
              fill: BucketFill | None = None, go: Callable[[], None] | None = None,
-             early: EarlyPack | None = None) -> SendStats:
+             early: EarlyPack | None = None, header_first: bool = False) -> SendStats:
         """Send every bucket of ``manifest`` in order; every receiver must be receiving.
 
         The buckets' contents come from ``named_tensors`` - a mapping name -> full
@@ -350,42 +362,61 @@ class WeightSender:
         the device) and before any value is read; the header goes out the moment it returns, and
         ``seconds`` count from then. It may raise to call the send off with nothing on the wire.
         ``early`` (with ``go``): the first buckets may be packed before the word (``EarlyPack``).
+        ``header_first`` (with ``go``; every receiver's armed receive takes the header before its own
+        word: ``receive_weights(header_first=True)``): the header goes out before ``go``, so that after
+        the word only buckets are posted; a send called off in ``go`` still waits for the header to
+        be taken (the group stays in step). On a GPU it is copied and posted on a stream of its own,
+        which no kernel of the train step running meanwhile is queued on.
         """
         if (named_tensors is None) == (fill is None):
             raise ValueError("WeightSender.send needs exactly one of named_tensors and fill")
         t0, stamps = time.perf_counter(), {"send": time.time()}
-        pack = self._packer(manifest, named_tensors, fill)
-        stamps["planned"] = time.time()
-        header = ints_on(header_for(manifest), self.group.device)
-        stamps["header_copied"] = time.time()
-
-        def make(i: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-            """Bucket ``i`` ready for the wire, and its checksum (``verify``)."""
-            packed = pack(i)
-            checksum = bucket_checksum(packed) if self.verify else None
-            if self._after_pack is not None:
-                self._after_pack(manifest.buckets[i].index, packed)
-            return packed, checksum
-
-        if early is not None and pack.slotted:  # (every slot free: the send before ended with the wire)
-            first = range(min(self.num_buffers, len(manifest.buckets)))
-
-            def make_first() -> list:
-                with torch.no_grad():  # (in the train step's thread, where autograd is on)
-                    return [make(i) for i in first]
-
-            early.offer(make_first)
+        header_first = header_first and go is not None
+        finished: list = []
+        if header_first:  # out before anything that can fail: every armed receive takes it before its word
+            with self._header_stream():
+                header = ints_on(header_for(manifest), self.group.device)
+                stamps["header_copied"] = time.time()
+                finished.append(self.group.broadcast_async(header, self.src, count_bytes=False))
+            header_unix_s = time.time()
         try:
+            pack = self._packer(manifest, named_tensors, fill)
+            stamps["planned"] = time.time()
+            if not header_first:
+                header = ints_on(header_for(manifest), self.group.device)
+                stamps["header_copied"] = time.time()
+
+            def make(i: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+                """Bucket ``i`` ready for the wire, and its checksum (``verify``)."""
+                packed = pack(i)
+                checksum = bucket_checksum(packed) if self.verify else None
+                if self._after_pack is not None:
+                    self._after_pack(manifest.buckets[i].index, packed)
+                return packed, checksum
+
+            if early is not None and pack.slotted:  # (every slot free: the send before ended with the wire)
+                first = range(min(self.num_buffers, len(manifest.buckets)))
+
+                def make_first() -> list:
+                    with torch.no_grad():  # (in the train step's thread, where autograd is on)
+                        return [make(i) for i in first]
+
+                early.offer(make_first)
             if go is not None:
                 go()
                 t0 = time.perf_counter()
+        except BaseException:
+            for op in finished:  # a header out before the word: taken before this send ends (in step)
+                op.wait()
+            raise
         finally:
             made = early.take() if early is not None else []
         if made:
             stamps["early_packed"] = early.packed_unix_s
-        # Not waited for here: the buckets queue behind it on the wire (ops complete in order).
-        finished: list = [self.group.broadcast_async(header, self.src, count_bytes=False)]
-        header_unix_s = time.time()
+        if not header_first:
+            # Not waited for here: the buckets queue behind it on the wire (ops complete in order).
+            finished.append(self.group.broadcast_async(header, self.src, count_bytes=False))
+            header_unix_s = time.time()
         in_flight: deque = deque()
         for i in range(len(manifest.buckets)):
             if i < len(made):
@@ -398,6 +429,8 @@ class WeightSender:
                         finished.append(op)
                 packed, checksum = make(i)
             ops = [self.group.broadcast_async(packed, self.src)]
+            if i == 0:
+                stamps["first"] = time.time()
             faults.hit("send_bucket")
             if checksum is not None:
                 ops.append(self.group.broadcast_async(checksum, self.src, count_bytes=False))
@@ -488,6 +521,7 @@ class WeightSender:
                     guess_s = time.perf_counter() - t_guess
                 buf.copy_(packed)  # its slot is free again at once: the image's copy goes on the wire
             ops.append(group.broadcast_async(buf if d.form is Form.DENSE else d.payload, src))
+            stamps.setdefault("first", time.time())
             faults.hit("send_bucket")
             if self.verify:
                 kept.append(bucket_checksum(buf))

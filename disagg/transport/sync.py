@@ -92,7 +92,8 @@ def send_model(group: TransportGroup | None, model: torch.nn.Module, full: Manif
                trainer_rank: int, num_trainer_ranks: int, num_buffers: int = 2, verify: bool = False,
                sender: WeightSender | None = None, params: Mapping[str, torch.Tensor] | None = None,
                image: DeltaImage | None = None, dense: bool = False, estimate: bool = False,
-               go: Callable[[], None] | None = None, early: EarlyPack | None = None) -> SendStats | None:
+               go: Callable[[], None] | None = None, early: EarlyPack | None = None,
+               header_first: bool = False) -> SendStats | None:
     """Send ``model``'s parameters as ``full.policy_version``; call on every trainer rank.
 
     ``group`` is this rank's source group (None for non-zero ranks in gather mode).
@@ -103,7 +104,8 @@ def send_model(group: TransportGroup | None, model: torch.nn.Module, full: Manif
     send is then ``WeightSender.send_delta`` (``dense``: a dense one that keeps the image). ``go``:
     an armed push's wait for the driver's word, once the send is set up (``WeightSender.send``;
     not with gathers over several ranks, whose collectives cannot wait); ``early``: its first buckets
-    may be packed as the step ends, before the word (``EarlyPack``; dense sends). Returns the send
+    may be packed as the step ends, before the word (``EarlyPack``; dense sends); ``header_first``: its
+    header goes out before the word, to receivers that take it before theirs (dense sends: ``WeightSender.send``). Returns the send
     statistics on ranks that sent, None on ranks that only gathered.
     """
     params = dict(model.named_parameters()) if params is None else params
@@ -112,7 +114,7 @@ def send_model(group: TransportGroup | None, model: torch.nn.Module, full: Manif
     def send(manifest: Manifest, tensors=None, fill=None) -> SendStats:
         s = sender or WeightSender(group, 0, num_buffers, verify, device=device)
         if image is None:
-            return s.send(manifest, tensors, fill, go=go, early=early)
+            return s.send(manifest, tensors, fill, go=go, early=early, header_first=header_first)
         return s.send_delta(manifest, image, tensors, fill, dense=dense, estimate=estimate, go=go)
 
     if source == "gather":
@@ -309,14 +311,17 @@ class ShardAssembler:
 def receive_model(groups: list[TransportGroup], full: Manifest, load_fn: LoadFn, *, device: torch.device,
                   source: str, num_buffers: int = 2, verify: bool = False,
                   go: Callable[[TransportGroup], None] | None = None, images: list[DeltaImage] | None = None,
-                  load_unchanged: bool = False, parts: PartLoader | None = None) -> ReceiveStats:
+                  load_unchanged: bool = False, parts: PartLoader | None = None,
+                  header_first: bool = False) -> ReceiveStats:
     """Receive ``full.policy_version`` from one group (gather) or one group per trainer rank (shards);
     ``go``: an armed receive's wait for each group's sender (``receive_weights``). ``images``
     (``transport.delta``): one per group, received with ``receive_delta``; ``load_unchanged`` then
     loads every tensor, not only those that changed (a loader that needs whole layers; the shards
     of one tensor come from every group, so ``shards`` always does). ``parts``: a dense receive from
     one group hands the tensors split over buckets it names to it a part at a time
-    (``receive_weights``); ignored where the receive is a delta or comes from several groups."""
+    (``receive_weights``); ignored where the receive is a delta or comes from several groups.
+    ``header_first``: each group's header taken before ``go`` (dense receives: ``receive_weights``;
+    a delta's header follows its sender's word)."""
     t0 = time.perf_counter()
     if images is not None and len(images) != len(groups):
         raise ValueError(f"{len(images)} delta images for {len(groups)} transport groups")
@@ -324,7 +329,7 @@ def receive_model(groups: list[TransportGroup], full: Manifest, load_fn: LoadFn,
     def receive(r: int, manifest: Manifest, load: LoadFn) -> ReceiveStats:
         if images is None:
             return receive_weights(groups[r], manifest, load, device, 0, num_buffers, verify, go,
-                                   parts=parts if source == "gather" else None)
+                                   parts=parts if source == "gather" else None, header_first=header_first)
         return receive_delta(groups[r], manifest, load, images[r], device, 0, verify, go,
                              load_unchanged=load_unchanged or source == "shards")
 
@@ -358,7 +363,8 @@ def receive_model(groups: list[TransportGroup], full: Manifest, load_fn: LoadFn,
     return ReceiveStats(bytes=sum(s.bytes for s in stats), seconds=time.perf_counter() - t0,
                         num_buckets=sum(s.num_buckets for s in stats), num_tensors=len(full.tensors),
                         header_s=max(s.header_s for s in stats), header_unix_s=max(s.header_unix_s for s in stats),
-                        wire_end_unix_s=max(s.wire_end_unix_s for s in stats), loaded_unix_s=time.time())
+                        wire_end_unix_s=max(s.wire_end_unix_s for s in stats), loaded_unix_s=time.time(),
+                        posted_unix_s=max(s.posted_unix_s for s in stats))
 
 
 ARM_SEND, ARM_CANCEL = "send", "cancel"

@@ -114,7 +114,9 @@ def test_bench_vllm_sync_times_a_raw_broadcast_and_each_syncs_phases(tmp_path):
     for run in r["syncs"]["layerwise, armed"]:  # the engine waited on the group before the announce
         p, t = run["phases"], run["timeline"]
         assert p["armed_wait_s"] >= 0.2 and p["update_s"] < run["seconds"], p  # the wait is not in the sync
-        assert t["worker_in"] < 0 < t["trainer_in"] < t["wire_start"] < t["worker_out"] < t["done"], t
+        # a delta job's push (--delta): its header follows the word, as its table needs the buckets compared
+        assert t["worker_in"] < 0 < t["trainer_in"] < t["trainer_header"] < t["trainer_first"] < t["worker_out"], t
+        assert 0 < t["worker_word"] < t["wire_start"] < t["worker_out"] < t["done"], t
     m = r["modes"]["layerwise"]
     assert m["raw_vs_sync"] == pytest.approx(r["raw_s"] / m["seconds"])
     assert list(m["timeline"]) == [k for k in TIMELINE if k in m["timeline"]] and m["timeline"]["done"] == m["seconds"]
@@ -182,10 +184,10 @@ def test_the_bench_runs_its_blocks_once_per_bucket_layout_and_per_way_of_the_wor
             # armed (bf16 on the wire: packed, dense): the run-up's step end packed the push's first buckets
             # (EarlyPack), after its set-up and before the announce; the dispatched push packs at its start
             t = r["syncs"][f"layerwise, armed, {layout}, {words}"][0]["timeline"]
-            assert t["trainer_header_copied"] < t["trainer_early_packed"] < 0 < t["trainer_header"], t
+            assert t["trainer_header_copied"] <= t["trainer_header"] < t["trainer_early_packed"] < 0, t
             assert "trainer_early_packed" not in r["syncs"][f"layerwise, {layout}, {words}"][0]["timeline"]
-            # the driver's word after the announce reached the push and the engine's worker, then the wire began
-            assert 0 < t["trainer_in"] < t["trainer_header"] and 0 < t["worker_word"] < t["wire_start"], t
+            # the driver's word after the announce reached the push and the engine's worker, then their buckets
+            assert 0 < t["trainer_in"] < t["trainer_first"] and 0 < t["worker_word"] < t["worker_posted"], t
             w = r["words"][f"layerwise, armed, {layout}"][words]
             assert w["trainer_in"] == r["modes"][f"layerwise, armed, {layout}, {words}"]["timeline"]["trainer_in"]
     assert f"layout: {ramp} ({r['layouts'][ramp]} buckets)" in proc.stdout

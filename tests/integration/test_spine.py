@@ -278,6 +278,9 @@ def test_an_armed_receive_waits_for_the_trainer_and_a_called_off_one_loads_nothi
     assert pushed["go_wait_s"] > 1.0 > pushed["seconds"] and pushed["bytes"] == sync.bytes > 0
     assert sync.timeline["trainer_in"] >= 0  # its push started after the announce, at the word,
     assert sync.timeline["trainer_header_copied"] < 0  # set up (buckets planned, header on the device) before it
+    # its header went out before the announce too, taken by the engine's worker then; the buckets after the word
+    assert sync.timeline["trainer_header"] < 0 < sync.timeline["trainer_in"] < sync.timeline["trainer_first"]
+    assert 0 < sync.timeline["worker_word"] < sync.timeline["worker_posted"], sync.timeline
     _, vllm_ids, hf, vlp, hflp = _vllm_vs_hf(job, tok, "armed")
     assert vllm_ids == hf
     for a, b in zip(vlp, hflp):

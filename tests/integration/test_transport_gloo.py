@@ -7,6 +7,7 @@ through a queue; the parent asserts on those reports.
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
 import queue
@@ -290,6 +291,73 @@ def _early(rank: int, world: int, port: int) -> dict:
     return {"equal": equal}
 
 
+def _header_first(rank: int, world: int, port: int) -> dict:
+    """An armed sync whose header goes out before the word (``header_first``, both ends): the push's
+    header before its go and its first bucket after; the receiver's header taken before its own word
+    and the wait not counted in its receive; called off after the header went: the send waits for it
+    to be taken, the receiver keeps its weights, and a plain sync after both is exact (in step); a
+    receiver whose manifest differs refuses at the header, before any word."""
+    from disagg.errors import SyncCancelled
+    from disagg.transport.sync import ARM_CANCEL, ARM_SEND, arm_key, armed_go
+
+    group = _group(rank, world, port, signals="socket")
+    m = build_manifest(_weights(5).items(), BUCKET_BYTES, policy_version=5)
+    if rank == 0:
+        sender, facts = WeightSender(group), {}
+        went: dict = {}
+
+        def go() -> None:  # the driver's word, a second after the push set up
+            time.sleep(1.0)
+            went["unix_s"] = time.time()
+            group.signal(arm_key(21), ARM_SEND)
+
+        stats = sender.send(m.with_version(6), _weights(6), go=go, header_first=True)
+        facts["header_before_go"] = stats.header_unix_s < went["unix_s"] < stats.stamps["first"]
+
+        def off() -> None:
+            time.sleep(0.5)
+            group.signal(arm_key(22), ARM_CANCEL)
+            raise SyncCancelled("called off after the header")
+
+        t0 = time.monotonic()
+        try:
+            sender.send(m.with_version(7), _weights(7), go=off, header_first=True)
+        except SyncCancelled as e:
+            facts["off"], facts["off_s"] = str(e), time.monotonic() - t0
+        sender.send(m.with_version(8), _weights(8))
+        group.signal("facts", json.dumps(facts))
+        try:  # the receiver refuses this header: its buckets find no one taking them
+            sender.send(m.with_version(9), _weights(9), go=lambda: group.signal(arm_key(23), ARM_SEND),
+                        header_first=True)
+        except TransportError as e:
+            facts["refused"] = str(e)
+        return facts
+    net = _zeroed_net()
+    load_fn = TorchModelReceiver.load_into_module(net)
+    manifest = build_manifest(net.state_dict().items(), BUCKET_BYTES, policy_version=5)
+    t0 = time.monotonic()
+    stats = receive_weights(group, manifest.with_version(6), load_fn, go=armed_go(21, 30.0, "armed receive 21"),
+                            header_first=True)
+    out: dict = {"waited_s": time.monotonic() - t0, "seconds": stats.seconds, "header_s": stats.header_s,
+                 "posted_after_word": stats.posted_unix_s >= stats.header_unix_s,
+                 "equal6": all(torch.equal(net.state_dict()[k], v) for k, v in _weights(6).items())}
+    try:
+        receive_weights(group, manifest.with_version(7), load_fn, go=armed_go(22, 30.0, "armed receive 22"),
+                        header_first=True)
+    except SyncCancelled as e:
+        out["cancelled"] = str(e)
+    out["unchanged"] = all(torch.equal(net.state_dict()[k], v) for k, v in _weights(6).items())
+    receive_weights(group, manifest.with_version(8), load_fn)
+    out["equal8"] = all(torch.equal(net.state_dict()[k], v) for k, v in _weights(8).items())
+    try:  # another receiver's layout: refused at the header, before its word
+        receive_weights(group, manifest.with_version(10), load_fn, go=armed_go(23, 30.0, "armed receive 23"),
+                        header_first=True)
+    except TransportError as e:
+        out["mismatch"] = str(e)
+    out["facts"] = json.loads(group.await_signal("facts", 30.0, "the sender's facts"))
+    return out
+
+
 def _parts(rank: int, world: int, port: int) -> dict:
     """A receive (``receive_model``, gather) that takes the tensor split over buckets part by part."""
     from disagg.transport.buckets import PartLoader
@@ -510,3 +578,18 @@ def test_an_armed_receive_waits_for_the_senders_word_is_called_off_by_it_and_end
     # rank 0 gone: its store unreachable, or its connection to this doorbell ended; not the 30 s timeout
     assert ("unreachable" if signals == "store" else "hung up") in rx["orphaned"], rx["orphaned"]
     assert "rank 0 is likely dead" in rx["orphaned"] and rx["orphaned_s"] < 15
+
+
+def test_an_armed_sync_with_its_header_first_takes_it_before_the_word_and_stays_in_step_when_called_off() -> None:
+    reports, _ = _spawn(_header_first, world=2, ranks=[0, 1])
+    tx, rx = reports[0], reports[1]
+    assert tx["ok"] and rx["ok"], reports
+    facts = rx["facts"]
+    assert facts["header_before_go"], facts  # the header went before the word, the first bucket after it
+    assert rx["equal6"] and rx["waited_s"] >= 0.9 and rx["seconds"] < 0.9, rx  # the wait is not the receive's
+    assert rx["header_s"] == 0.0 and rx["posted_after_word"], rx  # matched before the word; buckets after it
+    # called off after its header went: taken on both ends, nothing loaded, the next sync exact
+    assert facts["off"] == "called off after the header" and "called off by the sender" in rx["cancelled"], rx
+    assert rx["unchanged"] and rx["equal8"], rx
+    assert "policy_version sender=9 receiver=10" in rx["mismatch"], rx
+    assert "broadcast" in tx["refused"], tx
