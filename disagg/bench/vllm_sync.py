@@ -18,9 +18,10 @@ untimed syncs first: a direct load learns its copy plan in the first) and then f
              of it with no packing or cast
   <load>, armed  the same, with every engine's receive and the trainer's push put on the group
              before the announce (``Job.arm_sync``, as the loop does when the engines are idle during a
-             train step): the announce only sets the driver's word in the group's store, the trainer's
-             push sends at it and wakes the waiting workers; also reported: the trainer's push starting
-             -> the last engine serving, which no driver, Ray or engine-core hop is part of
+             train step; the push's header taken by every worker then, its first buckets packed at the
+             step's end): the announce only says the driver's word (``transport.signals``) to the push
+             and the waiting workers, and only buckets move after it; also reported: the trainer's push
+             starting -> the last engine serving, which no driver, Ray or engine-core hop is part of
 
 and for every mode the announce -> the last engine serving (its worker out of the load, on one
 host's clock; the engine core steps again from there), without the answers' way back to the driver

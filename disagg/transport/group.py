@@ -169,7 +169,7 @@ class TransportGroup:
         self._prefix = PrefixStore(name, store)
         self._store_addr = store_addr  # (host, port): await_signal opens its own connection to it
         self._signals: PrefixStore | None = None  # a connection of its own for await_signal's long waits
-        # transport.signals=socket: words come to this member's doorbell and go to the others' (bells.py)
+        # transport.signals=socket: words come to this member's doorbell and go to the others' (signals.py)
         self._doorbell = doorbell
         self._bells: Bells | None = None
         self.signals = "socket" if doorbell is not None else "store"
@@ -225,12 +225,14 @@ class TransportGroup:
         return self._bells
 
     def await_signal(self, key: str, timeout_s: float, what: str) -> str:
-        """Block until ``key`` is set in the group's store (``signal``); its value.
+        """Block until another member (or the driver) says ``key`` (``signal``); its value.
 
-        One wait on a store connection of its own: the heartbeat's connection stays free, and a
-        wait cut into timed slices would leave a connection out of step (torch's TCPStore). A
-        thread logs progress every ``_PROGRESS_LOG_S``; rank 0 dying (it hosts the store) ends the
-        wait at once. Raises ``TransportError`` naming ``what`` on the timeout or a lost store."""
+        Through the store: one wait on a store connection of its own (the heartbeat's connection
+        stays free, and a wait cut into timed slices would leave a connection out of step: torch's
+        TCPStore), a thread logging progress every ``_PROGRESS_LOG_S``. On a doorbell
+        (``signals=socket``): this thread blocks on its connections, logging the same way. Rank 0
+        dying (it hosts the store; its connection to this doorbell ends) ends the wait at once.
+        Raises ``TransportError`` naming ``what`` on the timeout or rank 0's loss."""
         where = f"group {self.name!r} rank {self.rank}: waiting for {what}"
         if self._doorbell is not None:
             return self._await_bell(key, timeout_s, what, where)
@@ -433,7 +435,7 @@ def create_group(*, host: str, port: int, rank: int, world_size: int, backend: s
     collectives run on a stream of the highest CUDA priority, so their kernels take the SMs
     ahead of the packing and loading kernels queued beside them (``transport.nccl_high_priority``).
     ``signals`` (``transport.signals``): how ``signal`` / ``await_signal`` words travel, through the
-    store or (``socket``) to a doorbell each member listens on (``bells.py``).
+    store or (``socket``) to a doorbell each member listens on (``signals.py``).
     """
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"transport backend must be 'gloo' or 'nccl', got {backend!r}")

@@ -93,3 +93,12 @@ def test_words_must_be_one_token_and_one_line_and_addresses_keep_ipv6_colons():
         encode({"facts": "two\nlines"})
     assert parse_address("10.0.0.2:4567") == ("10.0.0.2", 4567)
     assert parse_address("fe80::1:4567") == ("fe80::1", 4567)
+
+
+def test_a_doorbell_closed_by_another_thread_ends_the_wait_there_with_an_error_not_a_hang():
+    bell = Doorbell(HOST)
+    threading.Timer(0.3, bell.close).start()  # its group destroyed while a member waits on it
+    t0 = time.monotonic()
+    with pytest.raises(BellError, match="closed while waiting for 'arm/5'"):
+        bell.wait("arm/5", 30.0, progress_s=0.5)
+    assert time.monotonic() - t0 < 5.0
