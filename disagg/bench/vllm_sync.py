@@ -125,9 +125,11 @@ def resolve_options(given: dict[str, Any], gpus: int) -> VllmSyncOptions:
         raise ValueError(f"--peer: unknown peer {values['peer']!r} ({', '.join(PEERS)})")
     if values.get("nccl_socket") and device != "cuda":
         raise ValueError("--nccl-socket needs --device cuda (it sets NCCL's transports)")
-    bad = [s for s in values.get("signals", ()) if s not in ("store", "socket")]
-    if bad or len(set(values.get("signals", ()))) != len(values.get("signals", ())):
-        raise ValueError(f"--signals: each of store, socket at most once, got {list(values['signals'])}")
+    from disagg.transport.signals import SIGNALS  # (here: the module imports torch.distributed)
+
+    ways = values.get("signals", ())
+    if any(s not in SIGNALS for s in ways) or len(set(ways)) != len(ways):
+        raise ValueError(f"--signals: each of {', '.join(SIGNALS)} at most once, got {list(ways)}")
     if values.get("peer") is not None and device != "cuda":
         raise ValueError(f"--peer {values['peer']} needs --device cuda ({PEERS[values['peer']]})")
     values["loads"] = loads

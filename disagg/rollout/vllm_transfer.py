@@ -89,7 +89,7 @@ class DisaggUpdateInfo(WeightTransferUpdateInfo):
     manifest: dict | None = None  # the whole manifest; None: the one this worker holds, at ``policy_version``
     digest: str = ""  # the layout digest of the manifest meant (checked against the one held)
     policy_version: int = 0
-    arm_id: int = 0  # an armed receive (waits for the trainer's word in the group's store first); 0: not armed
+    arm_id: int = 0  # an armed receive (waits for its word first: transport.signals); 0: not armed
     arm_timeout_s: float = 0.0  # how long an armed receive waits for that word
     arm_header: bool = False  # the trainer's push is armed too: its header is taken before the word
 
@@ -264,7 +264,7 @@ class DisaggWeightTransferEngine(WeightTransferEngine[DisaggInitInfo, DisaggUpda
             stats = receive_model(self.groups, manifest, self._load, device=self.device, source=self.info.source,
                                   num_buffers=self.info.num_buffers, verify=self.info.verify, go=go,
                                   images=self.images, load_unchanged=self.load_mode != "direct" or learning,
-                                  parts=parts, header_first=bool(update_info.arm_id and update_info.arm_header))
+                                  parts=parts, header_first=update_info.arm_header)
         except SyncCancelled as e:  # before any byte moved: the model is untouched
             self._learning = None
             self.last_stats["cancelled"] = str(e)

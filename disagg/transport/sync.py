@@ -105,8 +105,9 @@ def send_model(group: TransportGroup | None, model: torch.nn.Module, full: Manif
     an armed push's wait for the driver's word, once the send is set up (``WeightSender.send``;
     not with gathers over several ranks, whose collectives cannot wait); ``early``: its first buckets
     may be packed as the step ends, before the word (``EarlyPack``; dense sends); ``header_first``: its
-    header goes out before the word, to receivers that take it before theirs (dense sends: ``WeightSender.send``). Returns the send
-    statistics on ranks that sent, None on ranks that only gathered.
+    header goes out before the word, to receivers that take it before theirs (dense sends:
+    ``WeightSender.send``). Returns the send statistics on ranks that sent, None on ranks that only
+    gathered.
     """
     params = dict(model.named_parameters()) if params is None else params
     device = next(iter(params.values())).device  # buckets are packed there (WeightSender)
