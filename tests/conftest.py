@@ -295,7 +295,7 @@ def next_step_held_until(job, condition, timeout_s: float = 300.0):
 
 
 def replay_logprobs(model_path, states: dict[int, dict], prompt: list[int], response: list[int],
-                    versions: list[int], *, recompute: bool = False, pieces=None, device: str = "cpu",
+                    versions: list[int], *, recompute: bool = False, pieces=None, refilled=(), device: str = "cpu",
                     engine_dtype=None, rounding: bool = False):
     """Each response token's log-prob under the float32 weights of the version it is tagged with.
 
@@ -305,7 +305,11 @@ def replay_logprobs(model_path, states: dict[int, dict], prompt: list[int], resp
     by that token's weights, one pass per run of a version (the tests' "other KV rule"). ``pieces`` (resubmit
     mode, ``Completion.pieces``): as vLLM ran it, each continuation ``(k, kept)`` keeping the KV of
     the first ``kept`` positions as the earlier pieces computed it and prefilling the rest of the
-    prompt and ``response[:k]`` with token k's weights, then decoding step by step.
+    prompt and ``response[:k]`` with token k's weights, then decoding step by step. ``refilled``: the
+    starts ``k`` of continuations at the end of a full KV block of their chain (``refill_points``)
+    whose piece before had filled that block in a step the sync's abort discarded: vLLM then holds
+    two copies of it, and every later continuation of the chain takes that first one, not the one
+    the continuation at ``k`` computed again.
 
     ``engine_dtype`` (e.g. ``torch.bfloat16``): the weights are first rounded to it, as the engine
     holds them; the arithmetic stays float32. ``rounding=True`` returns ``(log-probs, bound)``, where
@@ -347,16 +351,29 @@ def replay_logprobs(model_path, states: dict[int, dict], prompt: list[int], resp
                     take(t, logits[len(prompt) + t - 1])
                 start = end
         else:  # decode step by step; a piece (resubmit mode) first cuts the cache to what it kept
-            starts = dict(pieces or ())  # a piece that made no token is followed by a fresh one
+            # (kept, fresh) of the last piece at each k: one that made no token is followed by a fresh one there
+            starts = dict(chain_starts(pieces or ()))
             cache = DynamicCache()
+            firsts: list = []  # (a, b, per layer (keys, values)): the chain's first copies of blocks computed again
             for t in range(len(response)):
                 if t == 0 or t in starts:
+                    kept, fresh = starts.get(t, (0, True))
+                    if t in refilled:  # the step the abort discarded: token t - 1 fed by the weights before
+                        model(input_ids=torch.tensor([[response[t - 1]]], device=device), past_key_values=cache,
+                              use_cache=True)
+                        a, b = kept, len(prompt) + t
+                        firsts.append((a, b, [(x.keys[:, :, a:b].clone(), x.values[:, :, a:b].clone())
+                                              for x in cache.layers]))
                     load(versions[t])
-                    kept = starts.get(t, 0)
+                    firsts = [] if fresh else firsts
                     if not kept:
                         cache = DynamicCache()
                     elif cache.get_seq_length() > kept:  # negative: tokens to drop (every transformers release)
                         cache.crop(kept - cache.get_seq_length())
+                    for a, b, kv in firsts if kept else ():
+                        if b <= kept:  # vLLM's prefix cache returns the copy it cached first
+                            for x, (keys, values) in zip(cache.layers, kv):
+                                x.keys[:, :, a:b], x.values[:, :, a:b] = keys, values
                     feed = (prompt + response[:t])[kept:]
                 else:
                     if versions[t] != versions[t - 1]:  # keep mode: the next step runs on the new weights
@@ -367,3 +384,34 @@ def replay_logprobs(model_path, states: dict[int, dict], prompt: list[int], resp
                                use_cache=True).logits[0, -1]
                 take(t, logits.float())
     return (out, bound) if rounding else out
+
+
+def chain_starts(pieces) -> list[tuple[int, tuple[int, bool]]]:
+    """Each continuation of ``Completion.pieces`` as (k, (kept, fresh)): ``fresh`` where it starts a
+    new KV chain (the engine's rule: the piece before it made no token, so it starts at that piece's k)."""
+    out, prev = [], 0
+    for k, kept in pieces:
+        out.append((k, (kept, k == prev)))
+        prev = k
+    return out
+
+
+def refill_points(pieces, prompt_len: int, block: int) -> list[int]:
+    """The continuations (their starts k) whose context ends at the end of a full KV block of their
+    chain, which a later continuation of the chain keeps: vLLM computes that block again (it
+    recomputes at least the last token) and caches it beside the copy the piece before filled where
+    the sync's abort came during a step (its token dropped, its KV kept). Which copy the later ones
+    took depends on that step: ``replay_logprobs(refilled=...)``."""
+    starts = chain_starts(pieces)
+    points = []
+    for i, (k, (_, fresh)) in enumerate(starts):
+        end = prompt_len + k
+        if fresh or not k or end % block:
+            continue
+        for _, (kept, later_fresh) in starts[i + 1:]:
+            if later_fresh:  # the chain ends
+                break
+            if kept >= end:
+                points.append(k)
+                break
+    return points

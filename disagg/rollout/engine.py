@@ -481,7 +481,9 @@ class EngineActor(EngineSync, EnginePeers):
         prefix cache then holds the full blocks of the prompt and tokens so far as the weights that
         fed them computed them, and the new weights prefill only the rest (vLLM recomputes at least
         the last token). That is keep mode's rule for the KV of every full block (the partial one is
-        the new weights'), at the cost of a partial block per sync instead of the whole context. A
+        the new weights'), at the cost of a partial block per sync instead of the whole context;
+        a continuation whose context ends at a block's end computes that block again, and a later one
+        takes whichever copy vLLM cached first (docs/design.md, "resubmit"). A
         piece that made no token starts a fresh chain on the new weights (its own prefill may have
         stopped half way). ``Completion.pieces``: for each continuation, (the response tokens it
         started from, the prompt + response positions whose KV it took over; 0 for a fresh chain, and

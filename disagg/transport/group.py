@@ -272,8 +272,8 @@ class TransportGroup:
         try:
             return self._doorbell.wait(key, timeout_s, progress, _PROGRESS_LOG_S)
         except BellError as e:
-            raise TransportError(f"{where}: {e}: rank 0 is likely dead" if e.gone else
-                                 f"{where}: nothing within {timeout_s:.0f} s") from e
+            # the doorbell's own words: a timeout names the key and the seconds, a close says so
+            raise TransportError(f"{where}: {e}: rank 0 is likely dead" if e.gone else f"{where}: {e}") from e
 
     def broadcast(self, tensor: torch.Tensor, src: int, *, count_bytes: bool = True) -> None:
         """Broadcast ``tensor`` in place from rank ``src``; blocks until done or raises.
@@ -464,10 +464,14 @@ def create_group(*, host: str, port: int, rank: int, world_size: int, backend: s
             raise TransportError(f"{where}: could not reach the store hosted by rank 0 within {timeout_s:.1f} s "
                                  f"(missing ranks: [0]): {_brief(e)}") from e
     prefix = PrefixStore(group_name, store)
+    try:  # the interface that reaches rank 0: this rank's doorbell and gloo device
+        local = _local_address(host, port)
+    except OSError as e:
+        raise TransportError(f"{where}: no route from this host to rank 0's {host}: {_brief(e)}") from e
     doorbell = None
     if signals == "socket":  # published before this rank's join key: every address is there once all joined
         try:
-            doorbell = Doorbell(_local_address(host, port))
+            doorbell = Doorbell(local)
             prefix.set(f"bell/{rank}", f"{doorbell.address[0]}:{doorbell.address[1]}")
         except (OSError, RuntimeError) as e:
             if doorbell is not None:
@@ -483,7 +487,7 @@ def create_group(*, host: str, port: int, rank: int, world_size: int, backend: s
     if backend == "gloo":
         device = torch.device("cpu")
         opts = ProcessGroupGloo._Options()
-        opts._devices = [ProcessGroupGloo.create_device(hostname=_local_address(host, port))]
+        opts._devices = [ProcessGroupGloo.create_device(hostname=local)]
         opts._timeout = timedelta(seconds=timeout_s)
         make = lambda: ProcessGroupGloo(prefix, rank, world_size, opts)  # noqa: E731
     else:

@@ -68,6 +68,10 @@ class Doorbell:
         self.address = (address, int(self._listener.getsockname()[1]))
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._listener, selectors.EVENT_READ, None)
+        # close() in another thread wakes a wait through this pair (a socket closed under a select wakes nothing)
+        self._wake, self._waker = socket.socketpair()
+        self._wake.setblocking(False)
+        self._selector.register(self._wake, selectors.EVENT_READ, None)
         self._pending: dict[socket.socket, bytearray] = {}  # connection -> bytes short of a line
         self._who: dict[socket.socket, str] = {}
         self._said: OrderedDict[str, str] = OrderedDict()
@@ -84,6 +88,8 @@ class Doorbell:
             t0 = time.monotonic()
             deadline, next_log = t0 + timeout_s, t0 + progress_s
             while key not in self._said:
+                if self._closed:  # by another thread meanwhile (its group destroyed), or before
+                    raise BellError(f"this member's doorbell was closed while waiting for {key!r}", gone=False)
                 if self._rank0_gone:
                     raise BellError("rank 0 hung up (its process ended or left the group)", gone=True)
                 now = time.monotonic()
@@ -104,6 +110,8 @@ class Doorbell:
             return self._said.pop(key)
 
     def _take(self, sock) -> None:
+        if sock is self._wake:  # close() rang: the wait's loop sees it closed
+            return
         if sock is self._listener:
             while True:
                 try:
@@ -144,15 +152,21 @@ class Doorbell:
         sock.close()
 
     def close(self) -> None:
-        """Hang up every ringer and stop listening (twice is once). A wait in another thread then ends
-        with ``BellError`` at its next wake-up (at most its progress period)."""
+        """Hang up every ringer and stop listening (twice is once). A wait in another thread wakes at
+        once and ends with ``BellError``; this returns once it has."""
         if self._closed:
             return
         self._closed = True
-        for sock in list(self._pending):
-            self._drop(sock)
-        self._selector.close()
-        self._listener.close()
+        try:
+            self._waker.send(b"\0")
+        except OSError:
+            pass
+        with self._lock:  # the waiting thread, if any, has left
+            for sock in list(self._pending):
+                self._drop(sock)
+            self._selector.close()
+            for sock in (self._listener, self._wake, self._waker):
+                sock.close()
 
 
 class Bells:

@@ -100,5 +100,26 @@ def test_a_doorbell_closed_by_another_thread_ends_the_wait_there_with_an_error_n
     threading.Timer(0.3, bell.close).start()  # its group destroyed while a member waits on it
     t0 = time.monotonic()
     with pytest.raises(BellError, match="closed while waiting for 'arm/5'"):
-        bell.wait("arm/5", 30.0, progress_s=0.5)
+        bell.wait("arm/5", 30.0)  # woken by the close, not by its next progress tick (10 s)
     assert time.monotonic() - t0 < 5.0
+
+
+def test_a_groups_wait_on_its_doorbell_says_which_word_timed_out_and_that_a_destroy_ended_it():
+    """``TransportGroup.await_signal`` with ``signals=socket``, on a real one-member gloo group: the
+    timeout names the word and its seconds; the group destroyed while a thread waits ends that wait
+    at once with that said, not as a timeout."""
+    from disagg.errors import TransportError
+    from disagg.transport.group import create_group, pick_free_port
+
+    group = create_group(host=HOST, port=pick_free_port(HOST), rank=0, world_size=1, backend="gloo", timeout_s=30.0,
+                         group_name="bell-test", signals="socket")
+    try:
+        with pytest.raises(TransportError, match=r"waiting for the driver's go: no word 'go/3' within 0\.3 s"):
+            group.await_signal("go/3", 0.3, "the driver's go")
+        threading.Timer(0.3, group.destroy).start()
+        t0 = time.monotonic()
+        with pytest.raises(TransportError, match="doorbell was closed while waiting for 'go/4'"):
+            group.await_signal("go/4", 30.0, "the driver's go")
+        assert time.monotonic() - t0 < 5.0
+    finally:
+        group.destroy()
