@@ -170,7 +170,8 @@ def test_token_in_token_out_and_tool_tokens_masked(job, fmt, tools):
     _synced(job)
     llm = RoutedCompletions(_addresses(job), "policy")
     # Sampled, the tiny model's calls are often malformed and their error turns long enough to end a
-    # trajectory at its token budget before any tool turn (CI 2026-12-02: 6 of 6 so): draw more
+    # trajectory at its token budget before any tool turn (a fresh clone, 2026-12-02: five of six so, the sixth
+    # at its turn's token limit): draw more
     # sessions until one holds a tool turn; every trajectory drawn is checked below.
     trajs = []
     for draw in range(4):
