@@ -170,9 +170,9 @@ def test_token_in_token_out_and_tool_tokens_masked(job, fmt, tools):
     _synced(job)
     llm = RoutedCompletions(_addresses(job), "policy")
     # Sampled, the tiny model's calls are often malformed and their error turns long enough to end a
-    # trajectory at its token budget before any tool turn (a fresh clone, 2026-12-02: five of six so, the sixth
-    # at its turn's token limit): draw more
-    # sessions until one holds a tool turn; every trajectory drawn is checked below.
+    # trajectory at its token budget before any tool turn (a fresh clone, 2026-12-02: five of six so,
+    # the sixth at its turn's token limit): draw more sessions until one holds a tool turn; every
+    # trajectory drawn is checked below.
     trajs = []
     for draw in range(4):
         trajs += _trajectories(job, fmt, tools, [f"tio-{draw}-{i}" for i in range(6)], llm, seed=draw)[1]
