@@ -99,14 +99,10 @@ class Doorbell:
                     if progress is not None:
                         progress(now - t0)
                     next_log = now + progress_s
-                try:
-                    for ready, _ in self._selector.select(min(deadline, next_log) - now):
-                        self._take(ready.fileobj)
-                except (OSError, ValueError, KeyError):
-                    if self._closed:  # closed by another thread meanwhile (its group destroyed)
-                        raise BellError(f"this member's doorbell was closed while waiting for {key!r}",
-                                        gone=False) from None
-                    raise
+                # close() rings the socket pair and takes the lock before closing anything: no socket
+                # or selector closes under this select
+                for ready, _ in self._selector.select(min(deadline, next_log) - now):
+                    self._take(ready.fileobj)
             return self._said.pop(key)
 
     def _take(self, sock) -> None:

@@ -231,12 +231,16 @@ def check_exact_token_versions(job, tok):
             # A continuation starting at a block's end computes the block again; later ones took over that
             # copy or the one the piece before filled in the step its abort discarded (docs/design.md,
             # "resubmit"): each such point is decided in order, by the replay's mean error with it either way.
+            def mean_error(refills):
+                return (replay(c, c.token_versions, refills=refills)[0] - engine).abs().mean().item()
+
             refilled = ()
             points = refill_points(c.pieces, len(prompt), job.rollout.start_info[0]["kv_block_size"])
-            for point in points:
-                fit = {r: (replay(c, c.token_versions, refills=r)[0] - engine).abs().mean().item()
-                       for r in (refilled, refilled + (point,))}
-                refilled = min(fit, key=fit.get)
+            best = mean_error(refilled) if points else 0.0
+            for point in points:  # the fit so far is kept: each point costs one replay
+                trial = mean_error(refilled + (point,))
+                if trial < best:
+                    refilled, best = refilled + (point,), trial
             print(f"{mode}: continuations at a block's end {points}; those whose first copy fits {list(refilled)}")
         expected, rounding = replay(c, c.token_versions)
         err = (expected - engine).abs()

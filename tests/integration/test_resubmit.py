@@ -17,8 +17,8 @@ import torch
 
 from disagg.rollout.types import GenRequest, SamplingSpec
 from disagg.samples import TrainSample
-from tests.conftest import (a_sync_stops_what_no_step_can_train, long_request_across_syncs, refill_points,
-                            replay_logprobs, small_config)
+from tests.conftest import (a_sync_stops_what_no_step_can_train, chain_starts, long_request_across_syncs,
+                            refill_points, replay_logprobs, small_config)
 
 LONG_TOKENS = 200
 
@@ -137,10 +137,9 @@ def test_requests_resubmitted_across_weight_updates_carry_each_token_version(job
         # at least that one), as the weights that fed those positions computed it; after a piece that
         # made no token, a fresh chain took over nothing. A piece that made no token itself (the next
         # starts where it did) may have been aborted before vLLM scheduled it: it looked nothing up.
-        starts = [0] + [k for k, _ in c.pieces]
         ends = [k for k, _ in c.pieces[1:]] + [len(c.response_ids)]
-        for i, ((k, kept), end) in enumerate(zip(c.pieces, ends)):
-            full = 0 if k == starts[i] else (len(prompt) + k - 1) // block * block
+        for i, ((k, (kept, fresh)), end) in enumerate(zip(chain_starts(c.pieces), ends)):
+            full = 0 if fresh else (len(prompt) + k - 1) // block * block
             assert kept in ({full, 0} if end == k else {full}), (i, c.pieces, block)
         kept_any |= any(kept > len(prompt) for _, kept in c.pieces)
         # A continuation starting at a block's end computes that block again; the copy the later ones
