@@ -52,6 +52,14 @@ fi
 for w in .whl/checkpoint_engine-*.whl; do
   [ -f "$w" ] && [ ! -d /tmp/site/checkpoint_engine ] && { python3 -m zipfile -e "$w" /tmp/site || exit 2; }
 done
+# verl 0.9.1 and TRL 1.16 for `disagg bench peers` (../shared/tools/device-peers' piece, carried as
+# .device/peers or moved to /tmp/peers-site.tar.xz): verl's site without TRL (verl imports a class TRL
+# 1.16 dropped), TRL in a folder of its own: --verl-site /tmp/site_peers --trl-site /tmp/site_trl:/tmp/site_peers
+peers=.device/peers/peers-site.tar.xz; [ -f "$peers" ] || peers=/tmp/peers-site.tar.xz
+if [ -f "$peers" ] && [ ! -d /tmp/site_peers/verl ]; then
+  mkdir -p /tmp/site_peers /tmp/site_trl && tar -xJf "$peers" -C /tmp/site_peers || exit 2
+  mv /tmp/site_peers/trl /tmp/site_peers/trl-*.dist-info /tmp/site_trl/ || exit 2
+fi
 export PYTHONPATH="/tmp/site:$PWD"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, vllm, ray; print('torch', torch.__version__, 'vllm', vllm.__version__, 'ray', ray.__version__, 'gpus', torch.cuda.device_count())"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -60,7 +61,7 @@ class MetricsWriter:
                         self._held_until, resume_step)
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
-        rec = {"step": step, **metrics}
+        rec = {"step": step, "time_unix_s": time.time(), **metrics}  # the JSONL only: trackers keep their own
         self._f.write(json.dumps(rec) + "\n")
         self._f.flush()
         values = scalars(metrics)

@@ -229,6 +229,8 @@ class _progress:
     def update(self, step: int, rec: dict) -> None:
         msg = {"reward": f"{rec['reward/mean']:.3f}", "version": rec["policy_version"], "stale": rec["policy/staleness_max"],
                "sync_ms": f"{1000 * rec['timing/weight_sync_s']:.0f}"}
+        if "train/logprob_mismatch_mean" in rec:  # |engine - trainer| log-prob of the tokens trained
+            msg["mismatch"] = f"{rec['train/logprob_mismatch_mean']:.3f}"
         if rec.get("samples/dropped_stale"):  # the run's total: samples too stale to train, dropped
             msg["stale_drops"] = rec["samples/dropped_stale"]
         if self.bar is not None:

@@ -8,6 +8,8 @@ generation vs after it, asynchronous vs synchronous training (``disagg/bench/pip
 over the same group, per ``transport.load`` mode (``disagg/bench/vllm_sync.py``).
 ``delta``: delta syncs (``transport.delta``) against dense ones step by step, while a model
 trains at a learning rate of your choosing (``disagg/bench/delta.py``).
+``peers``: one GRPO job in disagg, verl and TRL on the same GPUs, side by side
+(``disagg/bench/peers/``).
 ``soak``: a long ``disagg train`` with a pause/resume and an engine kill, RSS over
 time and the fault counts (``disagg/bench/soak.py``; not in CI).
 """
@@ -20,6 +22,7 @@ BENCHMARKS = {"transport": "weight sync vs raw broadcast, per-parameter broadcas
               "pipeline": "stream vs batch on a long tail, reward overlap, async vs sync (CPU or --device cuda)",
               "vllm-sync": "a sync into a real vLLM engine, phase by phase, vs a raw broadcast over the same group",
               "delta": "delta syncs vs dense ones while a model trains: changed fraction, bytes, seconds",
+              "peers": "one GRPO job in disagg, verl and TRL on this machine: tokens/s, step time, time to reward 0.9",
               "soak": "a long `disagg train` with a pause/resume and an engine kill: RSS over time, nothing lost"}
 
 
@@ -34,6 +37,10 @@ def main(argv: list[str]) -> int:
         from disagg.bench.soak import main as soak_main
 
         return soak_main(argv[1:])
+    if argv[0] == "peers":
+        from disagg.bench.peers.bench import main as peers_main
+
+        return peers_main(argv[1:])
     if argv[0] == "delta":
         from disagg.bench.delta import main as delta_main
 

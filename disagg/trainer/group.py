@@ -15,6 +15,7 @@ from disagg.cluster import bundle_order
 from disagg.config import Config
 from disagg.logs import ray_get_logged
 from disagg.samples import TrainSample
+from disagg.trainer.grpo import mismatch_summary
 from disagg.trainer.worker import TrainerWorker
 
 log = logging.getLogger("disagg.trainer")
@@ -103,6 +104,7 @@ class TrainerGroup:
             "grad_norm": outs[0]["grad_norm"],
             "tokens": num_tokens,
             "snapshot_s": max(o.get("snapshot_seconds", 0.0) for o in outs),
+            **mismatch_summary(outs),
         }
 
     def push_weights_async(self, policy_version: int, from_snapshot: bool = False, arm_id: int = 0,

@@ -107,6 +107,40 @@ def ppo_clip_loss(
     return LossOutput(loss=loss, **return_kwargs)
 
 
+@dataclass
+class MismatchStats:
+    """How far the engine's log-probs are from the trainer's for the same tokens (sums over tokens)."""
+
+    abs_sum: float  # sum of |trainer - engine| log-prob
+    abs_max: float
+    over_cap: float  # tokens whose ratio trainer/engine exceeds is_cap (what tis and decoupled truncate)
+    num_tokens: float
+
+
+@torch.no_grad()
+def mismatch_stats(trainer_logp: torch.Tensor, engine_logp: torch.Tensor, mask: torch.Tensor,
+                   is_cap: float) -> MismatchStats:
+    """``trainer_logp`` (the trainer's policy before this update), ``engine_logp`` (what vLLM returned
+    when it sampled) and ``mask``: [B, T]. On-policy samples: the engine's numerics alone (zero where
+    both are exact); stale ones add how far the policy moved since their version."""
+    m = mask.to(trainer_logp.dtype)
+    d = (trainer_logp.float() - engine_logp.float()) * m
+    over = (torch.exp(d) > is_cap).to(m.dtype) * m
+    return MismatchStats(abs_sum=float(d.abs().sum()), abs_max=float(d.abs().max()) if d.numel() else 0.0,
+                         over_cap=float(over.sum()), num_tokens=float(m.sum()))
+
+
+def mismatch_summary(outs: list[dict]) -> dict[str, float]:
+    """The step's mismatch figures from every trainer rank's sums (``TrainerWorker.train_step``):
+    mean and max |trainer - engine| log-prob, share of tokens over ``is_cap``."""
+    n = sum(o["mismatch_tokens"] for o in outs)
+    if n == 0:
+        return {}
+    return {"logprob_mismatch_mean": sum(o["mismatch_abs_sum"] for o in outs) / n,
+            "logprob_mismatch_max": max(o["mismatch_abs_max"] for o in outs),
+            "is_over_cap_frac": sum(o["mismatch_over_cap"] for o in outs) / n}
+
+
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
     """Log-prob of ``targets`` under ``logits / temperature`` ([B, T, V] -> [B, T])."""
     logits = logits.float() / temperature

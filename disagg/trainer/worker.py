@@ -29,7 +29,7 @@ from disagg.samples import TrainSample
 from disagg.storage import local_copy, writable_dir
 from disagg.trainer.batching import micro_batches
 from disagg.trainer.bench_peers import TrainerPeers
-from disagg.trainer.grpo import linear_warmup, ppo_clip_loss, token_logprobs
+from disagg.trainer.grpo import linear_warmup, mismatch_stats, ppo_clip_loss, token_logprobs
 from disagg.trainer.push import TrainerPush
 from disagg.trainer.snapshot import Snapshots
 
@@ -169,16 +169,22 @@ class TrainerWorker(TrainerPush, TrainerPeers):
         self.model.train()
         mode = self.algo.off_policy
         num_mb = len(minibatch_tokens)
-        # Decoupled PPO's proximal policy is the policy before this update: one no-grad pass.
-        prox = self._proximal_logprobs(samples) if mode == "decoupled" else None
-        totals = {"clip": 0.0, "ratio": 0.0, "kl_b": 0.0, "kl_ref": 0.0, "tokens": 0.0, "loss": 0.0}
+        # Decoupled PPO's proximal policy is the policy before this update. Mini-batch 0 is trained from
+        # it, so its own forward gives it (no extra pass at num_minibatches=1, the default); the later
+        # mini-batches' samples take it from one no-grad pass before the first optimizer step.
+        prox: dict[int, torch.Tensor] = {}
+        if mode == "decoupled" and num_mb > 1:
+            later = [i for i in range(len(samples)) if i % num_mb]
+            prox = dict(zip(later, self._proximal_logprobs([samples[i] for i in later])))
+        totals = {"clip": 0.0, "ratio": 0.0, "kl_b": 0.0, "kl_ref": 0.0, "tokens": 0.0, "loss": 0.0,
+                  "mm_sum": 0.0, "mm_max": 0.0, "mm_over": 0.0, "mm_tokens": 0.0}
         norms = []
         for j in range(num_mb):
             idx = list(range(j, len(samples), num_mb))
             # FSDP averages gradients over ranks; scale so the sum over ranks is a global token mean.
             normaliser = max(minibatch_tokens[j], 1) / self.world_size
-            self._accumulate([samples[i] for i in idx], None if prox is None else [prox[i] for i in idx],
-                             normaliser, mode, totals)
+            self._accumulate([samples[i] for i in idx], [prox[i] for i in idx] if prox and j else None,
+                             normaliser, mode, totals, before_update=j == 0)
             norms.append(self._optimizer_step())
         if self._step_delay_s > 0:
             time.sleep(self._step_delay_s)
@@ -206,6 +212,10 @@ class TrainerWorker(TrainerPush, TrainerPeers):
             "num_tokens": totals["tokens"],
             "grad_norm": float(sum(norms) / len(norms)),
             "ratio_mean_local": totals["ratio"] / tok,
+            "mismatch_abs_sum": totals["mm_sum"],
+            "mismatch_abs_max": totals["mm_max"],
+            "mismatch_over_cap": totals["mm_over"],
+            "mismatch_tokens": totals["mm_tokens"],
             "snapshot_seconds": snapshot_s,
             "seconds": time.perf_counter() - t0,
         }
@@ -221,7 +231,11 @@ class TrainerWorker(TrainerPush, TrainerPeers):
         return out
 
     def _accumulate(self, samples: list[TrainSample], prox: list[torch.Tensor] | None, normaliser: float,
-                    mode: str, totals: dict[str, float]) -> None:
+                    mode: str, totals: dict[str, float], before_update: bool) -> None:
+        """Forward and backward over ``samples`` in micro-batches, adding to ``totals``. ``prox``: the
+        samples' log-probs under the policy before this update (decoupled mode, later mini-batches);
+        None before any optimizer step (``before_update``), where this forward's own log-probs are that
+        policy. The engine-trainer mismatch is measured against it."""
         lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
         for rows in micro_batches(lengths, self.cfg.micro_batch_size, self.cfg.micro_batch_tokens):
             chunk = [samples[i] for i in rows]
@@ -234,11 +248,21 @@ class TrainerWorker(TrainerPush, TrainerPeers):
                 proximal = torch.zeros_like(lp)
                 for i, r in enumerate(rows):
                     proximal[i, : prox[r].numel()] = prox[r]
+            elif mode == "decoupled":
+                assert before_update, "decoupled mini-batches after the first need the proximal pass"
+                proximal = lp.detach()
             adv = torch.tensor([s.advantage for s in chunk], device=self.device)
             ref = None
             if self.ref_model is not None:
                 with torch.no_grad():
                     ref, _ = self._batch_logprobs(self.ref_model, chunk)
+            current = proximal if proximal is not None else (lp.detach() if before_update else None)
+            if current is not None:  # the policy before this update against the engine's log-probs
+                mm = mismatch_stats(current, old, mask, self.algo.is_cap)
+                totals["mm_sum"] += mm.abs_sum
+                totals["mm_max"] = max(totals["mm_max"], mm.abs_max)
+                totals["mm_over"] += mm.over_cap
+                totals["mm_tokens"] += mm.num_tokens
             out = ppo_clip_loss(lp, old, adv, mask, self.algo.clip_eps, normaliser, ref, self.algo.kl_coef,
                                 mode=mode, proximal_logp=proximal, is_cap=self.algo.is_cap)
             out.loss.backward()

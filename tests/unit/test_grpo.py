@@ -133,3 +133,27 @@ def test_decoupled_needs_the_proximal_policy_and_unknown_modes_fail() -> None:
         ppo_clip_loss(x, x, torch.zeros(1), torch.ones(1, 2), 0.2, 1.0, mode="decoupled")
     with pytest.raises(ValueError, match="off_policy"):
         ppo_clip_loss(x, x, torch.zeros(1), torch.ones(1, 2), 0.2, 1.0, mode="vtrace")
+
+
+def test_mismatch_stats_measure_the_engine_trainer_gap_over_masked_tokens_only():
+    from disagg.trainer.grpo import mismatch_stats, mismatch_summary
+
+    trainer = torch.tensor([[-1.0, -2.0, -0.5, -9.0], [-0.1, -0.2, 0.0, 0.0]])
+    engine = torch.tensor([[-1.1, -2.0, -2.0, 0.0], [-0.1, -0.3, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])  # the -9 vs 0 token is padding: not counted
+    s = mismatch_stats(trainer, engine, mask, is_cap=2.0)
+    assert s.num_tokens == 5
+    assert s.abs_sum == pytest.approx(0.1 + 0.0 + 1.5 + 0.0 + 0.1)
+    assert s.abs_max == pytest.approx(1.5)
+    assert s.over_cap == 1  # exp(-0.5 - -2.0) = 4.5 > 2; exp(0.1) is not
+    exact = mismatch_stats(trainer, trainer.clone(), mask, is_cap=2.0)
+    assert (exact.abs_sum, exact.abs_max, exact.over_cap) == (0.0, 0.0, 0.0)
+    # two ranks' sums make one step's figures; a step with no tokens measured has none
+    outs = [{"mismatch_abs_sum": s.abs_sum, "mismatch_abs_max": s.abs_max, "mismatch_over_cap": s.over_cap,
+             "mismatch_tokens": s.num_tokens},
+            {"mismatch_abs_sum": 0.3, "mismatch_abs_max": 0.3, "mismatch_over_cap": 0.0, "mismatch_tokens": 1.0}]
+    got = mismatch_summary(outs)
+    assert got["logprob_mismatch_mean"] == pytest.approx((1.7 + 0.3) / 6)
+    assert got["logprob_mismatch_max"] == pytest.approx(1.5)
+    assert got["is_over_cap_frac"] == pytest.approx(1 / 6)
+    assert mismatch_summary([{**outs[1], "mismatch_tokens": 0.0}]) == {}

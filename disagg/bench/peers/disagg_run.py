@@ -1,0 +1,111 @@
+"""disagg's run of the peers job: ``disagg train`` with the job's files and settings.
+
+Modes: ``sync`` (``algorithm.max_staleness=0``, the default: on-policy, engines armed during the
+step) and ``async`` (``max_staleness=1``: the next batch generates while this one trains). One GPU:
+``cluster=one_gpu`` (trainer and engine share it, sync over gloo); two or more: ``cluster=gpu``
+(NCCL). CPU: the bench's own tests.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+from disagg.bench.peers.job import JobFiles, PeerJob
+from disagg.bench.peers.runs import PeerRun
+
+MODES = {"sync": 0, "async": 1}
+
+
+def overrides(job: PeerJob, files: JobFiles, gpus: int, mode: str, run_dir: Path) -> list[str]:
+    """The ``disagg train`` overrides that make the job (pure)."""
+    if mode not in MODES:
+        raise ValueError(f"disagg mode must be one of {', '.join(MODES)}, got {mode!r}")
+    out = []
+    if gpus == 1:
+        out += ["cluster=one_gpu", f"rollout.gpu_memory_utilization={job.gpu_memory_utilization}"]
+    elif gpus >= 2:
+        out += ["cluster=gpu"]
+    if job.shape != "tiny":
+        out.append(f"shape={job.shape}")  # its trainer micro-batching; the weights come from model.path
+        if gpus == 1:  # the engine holds part of the GPU: 16384-token micro-batches ran out of memory on an H100
+            out.append("trainer.micro_batch_tokens=8192")
+    out += [
+        f"model.path={files.model}", f"data.train_files=[{files.train_jsonl}]", "data.shuffle=false",
+        "data.add_bos=true", "reward.path=disagg.bench.peers.job_reward:score_row",
+        f"algorithm.group_size={job.group_size}", f"algorithm.prompts_per_step={job.prompts_per_step}",
+        f"algorithm.clip_eps={job.clip_eps}", f"algorithm.max_staleness={MODES[mode]}", "algorithm.kl_coef=0.0",
+        "algorithm.num_minibatches=1", f"trainer.lr={job.lr}", "trainer.warmup_steps=0", "trainer.weight_decay=0.0",
+        "trainer.betas=[0.9,0.999]", f"trainer.grad_clip={job.grad_clip}", f"trainer.total_steps={job.steps}",
+        f"rollout.max_tokens={job.max_tokens}", f"rollout.max_model_len={job.max_model_len}",
+        f"rollout.temperature={job.temperature}", f"rollout.top_p={job.top_p}",
+        "logging.progress=false", "logging.plot=false", "logging.backends=[jsonl]", f"hydra.run.dir={run_dir}",
+    ]
+    if job.heavy_tail:  # every group of the long tail in flight at once, as `bench pipeline` runs it
+        out += [f"rollout.max_inflight_groups={job.prompts_per_step}",
+                f"rollout.max_num_seqs={max(256, job.samples_per_step)}"]
+    return out
+
+
+def plan(job: PeerJob, files: JobFiles, gpus: int, mode: str, out: Path, correction: str | None = None) -> PeerRun:
+    """``disagg train`` as ``disagg bench peers`` runs it; ``correction``: ``algorithm.off_policy``
+    (None: the default)."""
+    run_dir = out / "run"
+    args = overrides(job, files, gpus, mode, run_dir)
+    if correction is not None:
+        args.append(f"algorithm.off_policy={correction}")
+    from disagg.config.files import compose_train
+    from disagg.config.load import load_config
+
+    used = load_config(compose_train(args), check=False).algorithm.off_policy
+    env = {"DISAGG_PEERS_LENGTHS": job.lengths_spec} if job.lengths_spec else {}
+    return PeerRun(framework="disagg", mode=mode, gpus=gpus, correction=used,
+                   cmd=[sys.executable, "-m", "disagg", "train", *args], env=env, out=out, collect=collect)
+
+
+def collect(run: PeerRun) -> list[dict[str, Any]]:
+    """``metrics.jsonl`` as step records (``runs.STEP_FIELDS``)."""
+    from disagg.bench.peers.runs import read_steps
+
+    out = []
+    sync = run.mode == "sync"  # on-policy: the next step's generation waits for the sync
+    for r in read_steps(run.out / "run" / "metrics.jsonl"):
+        samples = r["samples/trained"]
+        out.append({
+            "step": r["step"], "t": r["time_unix_s"], "step_s": r["timing/step_s"], "samples": samples,
+            "tokens": r["response/len_mean"] * samples, "reward": r["reward/mean"],
+            "sync_s": r["timing/weight_sync_s"] if sync else r["timing/trainer_sync_wait_s"],
+            "gen_s": r["timing/rollout_s"],
+            "mismatch_mean": r.get("train/logprob_mismatch_mean"), "mismatch_max": r.get("train/logprob_mismatch_max"),
+            "masked_share": r.get("train/clip_frac"),
+        })
+    return out
+
+
+_PHASES = (("ray_up", "starting a local Ray cluster"), ("pools_up", "pools up in"),
+           ("first_weights", "initial weights (version"), ("first_step", "disagg.train: step 1/"))
+
+
+def setup_phases(log_path: Path) -> dict[str, float]:
+    """Where disagg's set-up went, from its log: seconds from its first line to each milestone, and the
+    engine's own start (``engine start``) as it reported it."""
+    stamps: dict[str, float] = {}
+    out: dict[str, float] = {}
+    start = None
+    for line in log_path.read_text(errors="replace").splitlines():
+        m = re.match(r"(\d\d):(\d\d):(\d\d) ", line)
+        if not m:
+            continue
+        t = int(m[1]) * 3600 + int(m[2]) * 60 + int(m[3])
+        start = t if start is None else start
+        for key, text in _PHASES:
+            if key not in stamps and text in line:
+                stamps[key] = t
+        engine = re.search(r"pools up in [\d.]+s \(engine start ([\d.]+) s\)", line)
+        if engine:
+            out["engine_start_s"] = float(engine[1])
+    for key, t in stamps.items():
+        out[f"{key}_s"] = (t - start) % 86400
+    return out
