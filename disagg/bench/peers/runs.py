@@ -18,7 +18,6 @@ It is pure: the tests drive it with records they make.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import signal
 import statistics
@@ -27,8 +26,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
-
-log = logging.getLogger("disagg.bench")
 
 STEP_FIELDS = ("step", "t", "step_s", "samples", "tokens", "reward", "sync_s")
 REWARD_TARGET = 0.9
@@ -122,8 +119,8 @@ def launch(run: PeerRun, *, max_steps: int, budget_s: float, timeout_s: float, s
                 break
             if now - last_note >= 30:
                 last = steps[-1] if steps else None
-                log.warning("%s %s: %.0f s, %s", run.framework, run.mode, now - t0,
-                            f"step {last['step']}, reward {last['reward']:.3f}" if last else "no step yet")
+                print(f"peers: {run.framework} {run.mode}: {now - t0:.0f} s, "
+                      + (f"step {last['step']}, reward {last['reward']:.3f}" if last else "no step yet"), flush=True)
                 last_note = now
     finally:
         if stopped_by == "steps":  # its last step is done: let it shut down by itself first

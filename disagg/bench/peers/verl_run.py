@@ -115,8 +115,8 @@ def collect(run: PeerRun, job: PeerJob, seen: dict[int, float]) -> list[dict[str
         except json.JSONDecodeError:
             continue
         step, m = int(rec["step"]), rec["data"]
-        if "timing_s/step" not in m:
-            continue
+        if not all(k in m for k in ("timing_s/step", "response_length/mean", "critic/score/mean")):
+            continue  # not a train step's record
         t = seen.setdefault(step, now)
         samples = job.samples_per_step
         out.append({"step": step, "t": t, "step_s": m["timing_s/step"], "samples": samples,
