@@ -203,6 +203,7 @@ def _run_one(i: int, fw: str, mode: str, correction: str | None, *, o, job, file
              engine, warmup, out) -> dict[str, Any]:
     """One framework's run of the job, launched, watched, stopped and summarised (``runs.summarise``)."""
     from disagg.bench.peers import disagg_run, trl_run, verl_run
+    from disagg.bench.peers.lengths import LENGTHS_ENV
     from disagg.bench.peers.runs import launch, read_trace, summarise
 
     name = f"{i:02d}-{fw}-{mode}" + (f"-{correction}" if correction else "")
@@ -222,8 +223,9 @@ def _run_one(i: int, fw: str, mode: str, correction: str | None, *, o, job, file
         cache = run_out / "compile_cache"
         run.env.update(VLLM_CACHE_ROOT=str(cache / "vllm"), TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"),
                        TRITON_CACHE_DIR=str(cache / "triton"))
-    path = [str(plugin), run.env.get("PYTHONPATH") or os.environ.get("PYTHONPATH", "")]
-    run.env["PYTHONPATH"] = os.pathsep.join(path).rstrip(os.pathsep)
+    run.path.insert(0, str(plugin))
+    if job.lengths_spec:  # the lengths every engine holds (vllm_lengths)
+        run.env[LENGTHS_ENV] = job.lengths_spec
     before = set(_gpu_pids()) if device == "cuda" else set()
     print(f"peers: {fw} {mode} ({run.correction}) -> {run_out}", flush=True)
     result = launch(run, max_steps=job.steps, budget_s=o.budget_s, timeout_s=o.timeout_s,

@@ -60,13 +60,12 @@ def plan(job: PeerJob, files: JobFiles, gpus: int, mode: str, out: Path, correct
     from disagg.config.load import load_config
 
     used = load_config(compose_train(args), check=False).algorithm.off_policy
-    env = {"DISAGG_PEERS_LENGTHS": job.lengths_spec} if job.lengths_spec else {}
     return PeerRun(framework="disagg", mode=mode, gpus=gpus, correction=used,
-                   cmd=[sys.executable, "-m", "disagg", "train", *args], env=env, out=out, collect=collect)
+                   cmd=[sys.executable, "-m", "disagg", "train", *args], env={}, out=out, collect=collect)
 
 
 def collect(run: PeerRun) -> list[dict[str, Any]]:
-    """``metrics.jsonl`` as step records (``runs.STEP_FIELDS``)."""
+    """``metrics.jsonl`` as step records (``runs``)."""
     from disagg.bench.peers.runs import read_steps
 
     out = []

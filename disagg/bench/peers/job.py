@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +58,6 @@ class PeerJob:
     eos_token_id: int = 2
     gpu_memory_utilization: float = 0.3
     """The engine's share of the GPU where it shares one with the trainer."""
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def heavy_tail(self) -> bool:
@@ -69,11 +68,18 @@ class PeerJob:
         """``DISAGG_PEERS_LENGTHS`` for the engines (``vllm_lengths.Lengths``), None without a tail."""
         if not self.heavy_tail:
             return None
-        return f"short={self.tail_short},long={self.tail_long},fraction={self.tail_fraction},eos={self.eos_token_id}"
+        from disagg.bench.peers.lengths import Lengths
+
+        return Lengths(self.tail_short, self.tail_long, self.tail_fraction, self.eos_token_id).spec()
 
     @property
     def max_model_len(self) -> int:
         return self.max_prompt_tokens + self.max_tokens + 8
+
+    @property
+    def micro_batch_size(self) -> int:
+        """Samples per forward in the peers' trainers (disagg sizes its micro-batches by tokens)."""
+        return 64 if self.shape == "tiny" else 8
 
     @property
     def samples_per_step(self) -> int:

@@ -2,7 +2,7 @@
 
 Each framework's driver (``disagg_run``, ``trl_run``, ``verl_run``) makes a ``PeerRun``: the command,
 its environment and where its per-step records land. Every driver reduces its framework's own
-output to the same step records (``STEP_FIELDS``), one JSON object per line in ``steps.jsonl``:
+output to the same step records, one JSON object per line in ``steps.jsonl``:
 
 - ``step``, ``t`` (unix time at the step's end), ``step_s`` (its wall time),
 - ``samples`` and ``tokens`` (response tokens trained this step), ``reward`` (mean),
@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-STEP_FIELDS = ("step", "t", "step_s", "samples", "tokens", "reward", "sync_s")
 REWARD_TARGET = 0.9
 REWARD_WINDOW = 10  # steps in the moving average of the reward
 BUSY_GAP_S = 0.25  # sampling steps closer than this: the engine worked between them
@@ -49,6 +48,8 @@ class PeerRun:
     cwd: Path | None = None
     collect: Callable[["PeerRun"], list[dict[str, Any]]] | None = None
     """Reads the framework's own output into step records (None: the run writes ``steps.jsonl`` itself)."""
+    path: list[str] = field(default_factory=list)
+    """Folders put first on the run's PYTHONPATH (the framework's own site, the bench's plugin)."""
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -99,7 +100,9 @@ def launch(run: PeerRun, *, max_steps: int, budget_s: float, timeout_s: float, s
     passed since launch; then stop it with its whole process group. Progress is logged every 30 s."""
     run.out.mkdir(parents=True, exist_ok=True)
     run.trace_dir.mkdir(exist_ok=True)
-    env = {**os.environ, **run.env, "PYTHONUNBUFFERED": "1", "DISAGG_PEERS_TRACE": str(run.trace_dir)}
+    pythonpath = os.pathsep.join([*run.path, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env = {**os.environ, **run.env, "PYTHONPATH": pythonpath, "PYTHONUNBUFFERED": "1",
+           "DISAGG_PEERS_TRACE": str(run.trace_dir)}
     logf = open(run.log_path, "w")
     t0 = time.time()
     proc = subprocess.Popen(run.cmd, cwd=run.cwd, env=env, stdout=logf, stderr=subprocess.STDOUT,

@@ -9,7 +9,7 @@ clipping, batch (one optimizer step per ``prompts_per_step`` x ``group_size`` sa
 ``gradient_checkpointing=False`` (disagg and verl do not checkpoint activations either).
 
 Run in TRL's environment as ``python -m disagg.bench.peers.trl_run JOB_DIR OUT_DIR MODE``: it writes the
-step records (``runs.STEP_FIELDS``) to ``OUT_DIR/steps.jsonl`` from a ``TrainerCallback``, timing the
+step records (``runs``) to ``OUT_DIR/steps.jsonl`` from a ``TrainerCallback``, timing the
 weight sync (``vllm_generation.sync_weights``) and generation (``vllm_generation.generate``) by
 wrapping those methods, with the GPU synchronised around each.
 """
@@ -38,8 +38,7 @@ def config_kwargs(job: PeerJob, mode: str, out: Path) -> dict[str, Any]:
     ``per_device_train_batch_size`` x ``gradient_accumulation_steps`` = the step's samples."""
     if mode not in MODES:
         raise ValueError(f"TRL mode must be one of {', '.join(MODES)}, got {mode!r}")
-    micro = 64 if job.shape == "tiny" else 8
-    micro = min(micro, job.samples_per_step)
+    micro = min(job.micro_batch_size, job.samples_per_step)
     if job.samples_per_step % micro:
         raise ValueError(f"samples per step {job.samples_per_step} is not a multiple of TRL's micro-batch {micro}")
     kw: dict[str, Any] = dict(
@@ -64,13 +63,9 @@ def plan(job: PeerJob, files: JobFiles, gpus: int, mode: str, out: Path, site: s
     if mode == "server" and gpus < 2:
         raise ValueError("TRL server mode needs two GPUs (the server on one, the trainer on the other)")
     env = {"HF_HUB_DISABLE_TELEMETRY": "1", "TOKENIZERS_PARALLELISM": "false"}
-    if site:
-        env["PYTHONPATH"] = os.pathsep.join([site, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    if job.lengths_spec:
-        env["DISAGG_PEERS_LENGTHS"] = job.lengths_spec
     return PeerRun(framework="trl", mode=mode, gpus=gpus, correction=CORRECTION,
                    cmd=[sys.executable, "-m", "disagg.bench.peers.trl_run", str(files.root), str(out), mode],
-                   env=env, out=out)
+                   env=env, out=out, path=[site] if site else [])
 
 
 def _serve(files: JobFiles, job: PeerJob, out: Path) -> subprocess.Popen:

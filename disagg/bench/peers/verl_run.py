@@ -26,7 +26,6 @@ step's time is when the bench first saw its line (it polls every second).
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -49,7 +48,7 @@ def overrides(job: PeerJob, files: JobFiles, gpus: int, mode: str) -> list[str]:
         raise ValueError(f"verl mode must be one of {', '.join(MODES)}, got {mode!r}")
     if mode == "separate_async" and gpus < 2:
         raise ValueError("verl separate_async needs two GPUs (trainer and rollout on one each)")
-    micro = 64 if job.shape == "tiny" else 8
+    micro = job.micro_batch_size
     rollout = "actor_rollout_ref.rollout."
     actor = "actor_rollout_ref.actor."
     out = [
@@ -92,14 +91,10 @@ def plan(job: PeerJob, files: JobFiles, gpus: int, mode: str, out: Path, site: s
     """verl in its own interpreter, with ``site`` (verl and what it needs) first on its path."""
     env = {"VERL_FILE_LOGGER_PATH": str(out / "verl_metrics.jsonl"), "RAY_DEDUP_LOGS": "0", "HYDRA_FULL_ERROR": "1",
            "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "disabled"}
-    if site:
-        env["PYTHONPATH"] = os.pathsep.join([site, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    if job.lengths_spec:
-        env["DISAGG_PEERS_LENGTHS"] = job.lengths_spec
     seen: dict[int, float] = {}
     return PeerRun(framework="verl", mode=mode, gpus=gpus, correction=CORRECTION,
                    cmd=[sys.executable, "-m", "verl.trainer.main_ppo", *overrides(job, files, gpus, mode)], env=env,
-                   out=out, cwd=out, collect=lambda run: collect(run, job, seen))
+                   out=out, cwd=out, collect=lambda run: collect(run, job, seen), path=[site] if site else [])
 
 
 def collect(run: PeerRun, job: PeerJob, seen: dict[int, float]) -> list[dict[str, Any]]:
