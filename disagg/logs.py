@@ -8,7 +8,10 @@ line every few seconds saying what is awaited.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
+import os
+import sys
 import time
 from typing import Any, Awaitable, Callable, TypeVar
 
@@ -31,8 +34,11 @@ class _RoleFilter(logging.Filter):
         return True
 
 
-def setup_logging(role: str, level: str | int = "INFO") -> None:
-    """Configure the root logger of this process to tag lines with ``role``."""
+def setup_logging(role: str, level: str | int = "INFO", actor: bool = False) -> None:
+    """Configure the root logger of this process to tag lines with ``role``; an ``actor`` (a Ray
+    worker process) also leaves without the interpreter's teardown report (``quiet_teardown``)."""
+    if actor:
+        quiet_teardown()
     root = logging.getLogger()
     root.setLevel(level)
     if not root.handlers:
@@ -45,6 +51,33 @@ def setup_logging(role: str, level: str | int = "INFO") -> None:
     quiet = logging.WARNING if logging.getLogger().getEffectiveLevel() > logging.DEBUG else logging.NOTSET
     for name in PER_REQUEST_LOGGERS:
         logging.getLogger(name).setLevel(quiet)
+
+
+def quiet_teardown() -> None:
+    """Once this process's exit handlers start (``atexit``, before the interpreter tears its extension
+    modules down), its stderr goes to /dev/null. That teardown is where Triton's nanobind bindings,
+    imported with torch or vLLM, report hundreds of "leaked function" lines, which Ray forwards from
+    every actor to the driver's console after the run's summary. Anything an actor has to say was said
+    by then: its errors reach the driver through Ray, its logs were flushed here. Triton silences its
+    own compile workers the same way. Registered once per process."""
+    global _TEARDOWN_QUIET
+    if not _TEARDOWN_QUIET:
+        atexit.register(_stderr_to_devnull)
+        _TEARDOWN_QUIET = True
+
+
+_TEARDOWN_QUIET = False
+
+
+def _stderr_to_devnull() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed stream has nothing to flush
+            pass
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)
+    os.close(null)
 
 
 async def await_logged(aw: Awaitable[T], *, what: str, timeout_s: float, log: logging.Logger,

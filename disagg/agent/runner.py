@@ -40,7 +40,7 @@ class AgentRunner:
         from disagg.logs import setup_logging
         from disagg.rollout.tool_parsing import ToolCallParser
 
-        setup_logging("agent", log_level)
+        setup_logging("agent", log_level, actor=True)
         if require_sandbox_isolation and "python" in cfg.tools:
             from disagg.sandbox import require_filesystem_isolation
 

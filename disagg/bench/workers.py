@@ -94,7 +94,7 @@ class _Member:
     """What trainer ranks and receivers share: device, manifest, flat buffer, timed loops."""
 
     def __init__(self, role: str, device: str, dtype: str, num_buffers: int, verify: bool, log_level: str) -> None:
-        setup_logging(role, log_level)
+        setup_logging(role, log_level, actor=True)
         self.device = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
         self.dtype = torch_dtype(dtype)
         self.num_buffers, self.verify = num_buffers, verify

@@ -26,7 +26,7 @@ class RewardWorker:
         from disagg.tasks import get_reward
         from disagg.sandbox import require_filesystem_isolation
 
-        setup_logging("reward", log_level)
+        setup_logging("reward", log_level, actor=True)
         if require_sandbox_isolation:
             require_filesystem_isolation()
         self.fn, self.latency_s = get_reward(name, path), latency_s

@@ -93,7 +93,7 @@ class EngineActor(EngineSync, EnginePeers):
     def __init__(self, engine_id: int, model_path: str, cfg: RolloutConfig, coordinator: Any,
                  rpc_timeout_s: float, seed: int = 0, log_level: str = "INFO",
                  transport_cfg: TransportConfig | None = None, cache_dir: str = "~/.cache/disagg"):
-        setup_logging(f"rollout:{engine_id}", log_level)
+        setup_logging(f"rollout:{engine_id}", log_level, actor=True)
         pin_process(cfg.cpu_affinity, f"engine {engine_id}")
         self.engine_id = engine_id
         # A local model directory, or a checkpoint at an fsspec URL: this node's copy of it.

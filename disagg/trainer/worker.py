@@ -43,7 +43,7 @@ class TrainerWorker(TrainerPush, TrainerPeers):
     def __init__(self, rank: int, world_size: int, model_path: str, cfg: TrainerConfig, algo: AlgorithmConfig,
                  transport: TransportConfig, temperature: float, device: str, log_level: str = "INFO",
                  cache_dir: str = "~/.cache/disagg"):
-        setup_logging(f"trainer:{rank}", log_level)
+        setup_logging(f"trainer:{rank}", log_level, actor=True)
         faults.arm_from_env()
         self.rank, self.world_size = rank, world_size
         self.model_path = model_path  # a local directory, or a checkpoint at an fsspec URL (copied in setup)
