@@ -30,6 +30,15 @@ class ControlError(DisaggError):
     """A control-plane (gRPC) call failed; the message names the call and peer."""
 
 
+class CheckpointDamaged(DisaggError):
+    """A checkpoint's files do not match its manifest (``disagg.digests``): the message names the
+    checkpoint, and each file with what is wrong with it."""
+
+    def __init__(self, location: str, faults: list[str]):
+        super().__init__(f"{location}: {'; '.join(faults)}")
+        self.location, self.faults = location, list(faults)
+
+
 class SandboxError(DisaggError):
     """The code sandbox cannot isolate as asked: a filesystem isolation backend is missing or
     failed on this machine; the message says why."""

@@ -34,6 +34,8 @@ def run_generate(cfg: Config, run_dir: Path) -> dict[str, float]:
     from rich.table import Table
     from transformers import AutoTokenizer
 
+    from disagg.control.auth import api_key
+
     run_dir.mkdir(parents=True, exist_ok=True)
     model_path = prepare_model(cfg)
     tok = AutoTokenizer.from_pretrained(model_path)
@@ -45,7 +47,9 @@ def run_generate(cfg: Config, run_dir: Path) -> dict[str, float]:
     device = resolve_device(cfg)
     connect(cfg, device)
     pools = create_pools(cfg, device, with_trainer=False)
-    pool = RolloutPool(cfg, pools.rollout_pg, device, str(model_path), coordinator=None)
+    # no control plane here, so no token: off loopback the API needs rollout.api_key (env: or file:)
+    pool = RolloutPool(cfg, pools.rollout_pg, device, str(model_path), coordinator=None,
+                       api_key=api_key(cfg.rollout.api_key, None))
     try:
         greedy = cfg.rollout.temperature == 0  # one sample per prompt: greedy ones would all be equal
         spec = SamplingSpec(max_tokens=cfg.rollout.max_tokens, temperature=cfg.rollout.temperature,

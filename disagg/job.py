@@ -94,6 +94,7 @@ class Job:
         self.model_path = model_path
         self.coordinator = None
         self.token: str | None = None  # the job's control token (written to <run_dir>/control.token)
+        self.api_key: str | None = None  # what the engines' OpenAI API asks off loopback (rollout.api_key)
         self.pools: Pools | None = None
         self.trainer: TrainerGroup | None = None
         self.rollout: RolloutPool | None = None
@@ -117,7 +118,7 @@ class Job:
         return job
 
     def _start(self) -> None:
-        from disagg.control.auth import write_token
+        from disagg.control.auth import api_key, write_token
         from disagg.control.server import CoordinatorServer
 
         cfg = self.cfg
@@ -126,6 +127,7 @@ class Job:
         # Ray first: its node processes are forked, and forking with live gRPC threads is unsafe.
         connect(cfg, device)
         self.token, token_path = write_token(self.run_dir)
+        self.api_key = api_key(cfg.rollout.api_key, self.token)  # the engines' OpenAI API asks it off loopback
         c = cfg.control
         self.coordinator = CoordinatorServer(c.host, c.port, cfg.algorithm.max_staleness, str(self.run_dir),
                                              token=self.token, tls_cert=c.tls_cert, tls_key=c.tls_key,
@@ -142,7 +144,8 @@ class Job:
         # KV cache from the memory free while it profiles, which a loading trainer would change.
         shared_gpu = device == "cuda" and shares_gpus(cfg)
         self.rollout = RolloutPool(cfg, self.pools.rollout_pg, device, str(self.model_path), self.control_client(),
-                                   label_selector=self.pools.rollout_label_selector, wait=shared_gpu)
+                                   label_selector=self.pools.rollout_label_selector, wait=shared_gpu,
+                                   api_key=self.api_key)
         self.trainer = TrainerGroup(cfg, self.pools.trainer_pg, device, str(self.model_path))
         self.rollout.wait_started()
         self.engine_start_s = [i["start_s"] for i in self.rollout.start_info]
@@ -417,34 +420,43 @@ class Job:
 
     def save_checkpoint(self, step: int, policy_version: int, extra: dict | None = None) -> str:
         """``<checkpoint_dir>/step_<N>``: the model in HF layout (safetensors; vLLM and HF load it),
-        tokenizer, optimizer/scheduler/RNG state, and ``state.json`` (step, version, ``extra``).
+        tokenizer, optimizer/scheduler/RNG state, ``state.json`` (step, version, ``extra``), and
+        ``manifest.json``: every file's size and digest (``disagg.digests``), written last.
 
-        Complete once ``state.json`` is there. At a plain path (one filesystem for every node) the
+        Complete once the manifest is there. At a plain path (one filesystem for every node) the
         trainer ranks write ``step_<N>.partial`` and the driver renames it; at a URL every writer
-        copies its files up and the driver writes ``state.json`` last (object stores cannot rename a
-        directory atomically)."""
+        copies its files up and the driver writes ``state.json``, then the manifest (object stores
+        cannot rename a directory atomically). A reader checks the files against the manifest."""
         import json
 
         from disagg import storage
+        from disagg.digests import MANIFEST, digest_bytes, digest_files, manifest_text
         from disagg.resume import STATE, checkpoint_path
 
         path = checkpoint_path(self.checkpoint_dir, step)
         tmp = path if storage.is_url(path) else path + ".partial"
         storage.remove(tmp)
         t0 = time.perf_counter()
-        self.trainer.save_checkpoint(tmp)
+        files = self.trainer.save_checkpoint(tmp)
         # tokenizer files: the checkpoint is a complete model directory
-        for f in storage.local_copy(str(self.model_path), self.cfg.model.cache_dir).iterdir():
-            if f.is_file() and f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "chat_template")):
-                storage.put_file(f, storage.join(tmp, f.name))
-        state = {"step": step, "policy_version": policy_version, "time_unix_s": time.time(), **(extra or {})}
+        model_dir = storage.local_copy(str(self.model_path), self.cfg.model.cache_dir)
+        tokenizer = [f.name for f in model_dir.iterdir() if f.is_file() and
+                     f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "chat_template"))]
+        files.update(digest_files(model_dir, tokenizer))
+        for name in tokenizer:
+            storage.put_file(model_dir / name, storage.join(tmp, name))
+        state = json.dumps({"step": step, "policy_version": policy_version, "time_unix_s": time.time(),
+                            "manifest": MANIFEST, **(extra or {})}, indent=2, default=str)
+        files[STATE] = digest_bytes(state.encode())
         if tmp != path:
             storage.remove(path)
-        storage.write_text(storage.join(tmp, STATE), json.dumps(state, indent=2, default=str))
+        storage.write_text(storage.join(tmp, STATE), state)
+        storage.write_text(storage.join(tmp, MANIFEST), manifest_text(files))
         if tmp != path:
             Path(tmp).rename(path)  # a checkpoint directory without .partial is complete
-        log.info("checkpoint of step %d (policy version %d) written to %s in %.1fs", step, policy_version, path,
-                 time.perf_counter() - t0)
+        log.info("checkpoint of step %d (policy version %d) written to %s in %.1fs: %d files, %.1f MB, with their "
+                 "digests", step, policy_version, path, time.perf_counter() - t0, len(files),
+                 sum(f.num_bytes for f in files.values()) / 1e6)
         return path
 
     def shutdown(self) -> None:

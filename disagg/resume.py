@@ -3,8 +3,10 @@
 A checkpoint is ``<checkpoint_dir>/step_<N>/`` (``Job.save_checkpoint``), where the checkpoint
 directory is ``trainer.checkpoint_dir`` - a shared path or an fsspec URL - or by default
 ``<run_dir>/checkpoints``. It is complete once its ``state.json`` is there: a local writer fills
-``step_<N>.partial`` and renames it, a remote one writes ``state.json`` last. This module picks the
-checkpoint a ``resume`` value names, checks that the run can continue from it, replays the prompts
+``step_<N>.partial`` and renames it, a remote one writes ``state.json``, then ``manifest.json``, the
+size and digest of every file (``disagg.digests``). This module picks the checkpoint a ``resume``
+value names - the newest whose files match its manifest: a damaged one is skipped, moved aside and
+named with its faults - checks that the run can continue from it, replays the prompts
 that were drawn but not trained when it was written, and keeps the newest checkpoints. It plans on
 the driver before any actor starts, so it never imports torch or vLLM; the trainer workers and
 engines load the checkpoint themselves, each from its node's copy (``disagg.storage``).
@@ -17,6 +19,7 @@ import logging
 import os
 import posixpath
 import re
+import time
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -25,13 +28,16 @@ from typing import Any
 
 from disagg import storage
 from disagg.config import Config
-from disagg.errors import ConfigError
+from disagg.digests import MANIFEST, ManifestError, compare, parse_manifest
+from disagg.errors import CheckpointDamaged, ConfigError
 from disagg.tasks.base import PromptRow, PromptSource
 
 log = logging.getLogger("disagg.resume")
 
 CHECKPOINTS = "checkpoints"
 STATE = "state.json"
+DEFAULT_CACHE_DIR = "~/.cache/disagg"
+"""``model.cache_dir``'s default: where a checkpoint at a URL is copied to be checked and loaded."""
 _STEP = re.compile(r"step_(\d+)")
 
 
@@ -73,11 +79,56 @@ def run_checkpoint_dir(run_dir: str) -> str:
     return recorded or os.path.join(run_dir, CHECKPOINTS)
 
 
-def find_checkpoint(resume: str) -> str:
+@dataclass(frozen=True)
+class Verdict:
+    """What a checkpoint's files said when checked against its manifest (``verify_checkpoint``)."""
+
+    checkpoint: str
+    faults: tuple[str, ...]
+    """One line per damaged file ('optimizer.pt: missing'); empty: the checkpoint can be loaded."""
+    verified: bool
+    """False for a checkpoint written before checkpoints carried a manifest: nothing to check."""
+
+    @property
+    def name(self) -> str:
+        return posixpath.basename(self.checkpoint)
+
+    def says(self) -> str:
+        return f"{self.name} ({'; '.join(self.faults)})"
+
+
+def verify_checkpoint(location: str, cache_dir: str = DEFAULT_CACHE_DIR) -> Verdict:
+    """Check every file of the checkpoint at ``location`` against its ``manifest.json``: sizes,
+    then digests (``disagg.digests``). A checkpoint at a URL is copied into this node's cache, where
+    the copy is checked (``storage.local_copy``; the processes of this node then reuse it)."""
+    manifest = storage.join(location, MANIFEST)
+    if not storage.exists(manifest):
+        try:
+            state = json.loads(storage.read_text(storage.join(location, STATE)))
+        except (OSError, ValueError) as e:
+            return Verdict(location, (f"{STATE}: unreadable ({type(e).__name__}: {e})",), False)
+        if isinstance(state, dict) and "manifest" in state:  # its writer died before writing the manifest
+            return Verdict(location, (f"{MANIFEST}: missing (its writer did not finish)",), True)
+        return Verdict(location, (), False)
+    if storage.is_url(location):
+        try:
+            storage.local_copy(location, cache_dir)
+        except CheckpointDamaged as e:
+            return Verdict(location, tuple(e.faults), True)
+        return Verdict(location, (), True)
+    try:
+        expected = parse_manifest(storage.read_text(manifest))
+    except ManifestError as e:
+        return Verdict(location, (f"{MANIFEST}: {e}",), True)
+    return Verdict(location, tuple(compare(Path(location), expected)), True)
+
+
+def find_checkpoint(resume: str, cache_dir: str = DEFAULT_CACHE_DIR) -> str:
     """The checkpoint ``resume=<location>`` names: the location itself if it is one (named
-    ``step_<N>`` or holding a ``state.json``), else the latest complete checkpoint of the run
-    directory it names (see ``run_checkpoint_dir``) or of the checkpoint directory it names (a path
-    or fsspec URL holding ``step_<N>`` directories). A ConfigError naming ``resume`` if there is none."""
+    ``step_<N>`` or holding a ``state.json``), else the newest complete checkpoint that verifies
+    (``newest_verified``) of the run directory it names (see ``run_checkpoint_dir``) or of the
+    checkpoint directory it names (a path or fsspec URL holding ``step_<N>`` directories). A
+    ConfigError naming ``resume`` if there is none, or if the one it names is damaged."""
     loc = storage.normalize(resume).rstrip("/")
     if not storage.exists(loc):
         raise ConfigError(f"resume={resume!r}: no such directory")
@@ -85,6 +136,11 @@ def find_checkpoint(resume: str) -> str:
         raise ConfigError(f"resume={resume!r}: an incomplete checkpoint (its writer did not finish); "
                           f"resume={posixpath.dirname(loc)!r} takes the latest complete one there")
     if checkpoint_step(loc) is not None or storage.exists(storage.join(loc, STATE)):
+        verdict = verify_checkpoint(loc, cache_dir)
+        if verdict.faults:
+            raise ConfigError(f"resume={resume!r}: the checkpoint is damaged: {'; '.join(verdict.faults)}; "
+                              f"resume={posixpath.dirname(loc)!r} takes the newest one there that verifies")
+        _say_verified(verdict)
         return loc
     where = run_checkpoint_dir(loc) if _is_run_dir(loc) else loc
     found = complete_checkpoints(where)
@@ -95,7 +151,38 @@ def find_checkpoint(resume: str) -> str:
                           + (f" (only incomplete ones: {', '.join(partial)})" if partial else "")
                           + "; a run writes them with trainer.checkpoint_every=N, `disagg ctl checkpoint` "
                             "or `disagg ctl stop`")
-    return found[-1]
+    return newest_verified(resume, found, cache_dir)
+
+
+def newest_verified(resume: str, found: list[str], cache_dir: str = DEFAULT_CACHE_DIR) -> str:
+    """The newest of ``found`` (complete checkpoints, oldest first) whose files match its manifest.
+    Each newer one that does not is renamed ``<name>.damaged-<unix time>`` (kept for a look, out of
+    the way of the resumed run's own checkpoints and of pruning), and one WARNING line says which
+    and why. A ConfigError naming every checkpoint and its faults when none verifies."""
+    skipped: list[Verdict] = []
+    for ckpt in reversed(found):
+        verdict = verify_checkpoint(ckpt, cache_dir)
+        if verdict.faults:
+            skipped.append(verdict)
+            continue
+        if skipped:
+            moved = [posixpath.basename(storage.move_aside(v.checkpoint, f"damaged-{int(time.time())}"))
+                     for v in skipped]
+            log.warning("resume: skipped the damaged checkpoint%s %s, moved to %s; resuming from %s",
+                        "s" if len(skipped) > 1 else "", ", ".join(v.says() for v in skipped), ", ".join(moved),
+                        verdict.name)
+        _say_verified(verdict)
+        return ckpt
+    raise ConfigError(f"resume={resume!r}: no checkpoint in {posixpath.dirname(found[0])} verifies: "
+                      + ", ".join(v.says() for v in skipped))
+
+
+def _say_verified(verdict: Verdict) -> None:
+    if verdict.verified:
+        log.info("checkpoint %s verified: every file matches its %s", verdict.name, MANIFEST)
+    else:
+        log.warning("checkpoint %s has no %s (written before disagg recorded checkpoint digests): loaded "
+                    "unverified", verdict.name, MANIFEST)
 
 
 @dataclass(frozen=True)
@@ -144,7 +231,7 @@ def _resumed_run_dir(resume: str, ckpt: str, state: dict) -> Path | None:
 def load_resume(cfg: Config) -> ResumePoint:
     """The checkpoint ``cfg.resume`` names and the checks that ``cfg`` can continue from it."""
     assert cfg.resume is not None
-    ckpt = find_checkpoint(cfg.resume)
+    ckpt = find_checkpoint(cfg.resume, cfg.model.cache_dir)
     ckpt_dir = posixpath.dirname(ckpt)
     if not storage.exists(storage.join(ckpt, STATE)):
         raise ConfigError(f"resume={cfg.resume!r}: {ckpt} has no {STATE} (an incomplete checkpoint, or not a disagg "

@@ -10,6 +10,8 @@ go where every node can read them (``trainer.checkpoint_dir``):
   up file by file (``writable_dir``); each reader copies a checkpoint down into its node's cache once
   (``local_copy``), because transformers, vLLM and ``torch.load`` read local files.
 
+A checkpoint's ``manifest.json`` (``disagg.digests``) records every file's size and digest: an
+upload is checked for size after the copy, a download against the manifest (``CheckpointDamaged``).
 ``memory://`` lives in one process: unit tests only. This module never imports torch or vLLM.
 """
 
@@ -19,13 +21,15 @@ import fcntl
 import hashlib
 import os
 import posixpath
+import shutil
 import tempfile
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from disagg.errors import ConfigError
+from disagg.digests import MANIFEST, ManifestError, compare, parse_manifest
+from disagg.errors import CheckpointDamaged, ConfigError
 
 CACHE_KEY_FILE = "state.json"
 """Its content is part of a downloaded copy's cache key: a checkpoint written again at the same URL
@@ -98,9 +102,27 @@ def write_text(location: str, text: str) -> None:
 
 
 def put_file(local: Path, location: str) -> None:
+    """Copy ``local`` to ``location``, checked after the copy: an upload that left fewer or more
+    bytes there than ``local`` holds is an OSError naming both (the digests are checked by the
+    reader, against the manifest)."""
     fs, path = _fs(location)
     fs.makedirs(posixpath.dirname(path), exist_ok=True)
     fs.put_file(str(local), path)
+    sent, landed = local.stat().st_size, fs.size(path)
+    if landed != sent:
+        raise OSError(f"copied {local} to {location}: {landed} bytes arrived of {sent}")
+
+
+def move_aside(location: str, suffix: str) -> str:
+    """Rename ``location`` (a directory) to ``<location>.<suffix>`` and return the new name; a URL's
+    files are moved one by one (object stores rename nothing)."""
+    target = f"{location.rstrip('/')}.{suffix}"
+    if not is_url(location):
+        os.rename(location, target)
+        return target
+    fs, path = _fs(location)
+    fs.mv(path, _fs(target)[1], recursive=True)
+    return target
 
 
 def remove(location: str) -> None:
@@ -152,5 +174,21 @@ def local_copy(location: str, cache_dir: str) -> Path:
                 target = tmp / posixpath.relpath(f, root)
                 target.parent.mkdir(parents=True, exist_ok=True)
                 fs.get_file(f, str(target))
+            faults = copy_faults(tmp)
+            if faults:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise CheckpointDamaged(location, faults)
             tmp.rename(dest)
     return dest
+
+
+def copy_faults(local: Path) -> list[str]:
+    """What is wrong with the copy in ``local`` against the manifest that came with it (``[]``
+    when it matches, or when it has none: not a checkpoint, or one written before manifests)."""
+    manifest = local / MANIFEST
+    if not manifest.is_file():
+        return []
+    try:
+        return compare(local, parse_manifest(manifest.read_text()))
+    except ManifestError as e:
+        return [f"{MANIFEST}: {e}"]

@@ -10,12 +10,24 @@ running, and a long generation must not be cut off by a default 600 s timeout.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from disagg.agent.router import ChatRouter
 from disagg.errors import RolloutError
 from disagg.rollout.types import VERSION_MAX_HEADER, VERSION_MIN_HEADER, SamplingSpec
 
+
+@dataclass(frozen=True)
+class EngineAuth:
+    """How a client proves itself to the engines' OpenAI API and checks them: the key they ask off
+    loopback (``rollout.api_key``; None over loopback), and the PEM an HTTPS engine is verified against."""
+
+    key: str | None = None
+    tls_ca: str | None = None
+
+    def __repr__(self) -> str:  # never the key in a log line or a Ray error
+        return f"EngineAuth(key={'set' if self.key else None}, tls_ca={self.tls_ca!r})"
 
 
 @dataclass
@@ -32,10 +44,11 @@ class RoutedCompletions:
     """One ``AsyncOpenAI`` client per engine; each call picks its engine with the router."""
 
     def __init__(self, addresses: dict[int, str], model: str, *, timeout_s: float | None = None,
-                 max_retries: int = 0, router: ChatRouter | None = None) -> None:
+                 max_retries: int = 0, router: ChatRouter | None = None, auth: EngineAuth | None = None) -> None:
         self.model = model
         self.router = router or ChatRouter(sorted(addresses))
         self._timeout_s, self._max_retries = timeout_s, max_retries
+        self.auth = auth or EngineAuth()
         self.clients: dict = {}
         for e, a in addresses.items():
             self.add_engine(e, a)
@@ -44,8 +57,17 @@ class RoutedCompletions:
         """Route new sessions to ``engine_id`` too (an engine that joined the pool)."""
         from openai import AsyncOpenAI
 
-        self.clients[engine_id] = AsyncOpenAI(base_url=f"{address}/v1", api_key="disagg", timeout=self._timeout_s,
-                                              max_retries=self._max_retries)
+        http = None
+        if self.auth.tls_ca:
+            import ssl
+
+            import httpx
+
+            http = httpx.AsyncClient(verify=ssl.create_default_context(cafile=os.path.expanduser(self.auth.tls_ca)),
+                                     timeout=self._timeout_s)
+        # Over loopback the engines ask no key; the client wants one all the same.
+        self.clients[engine_id] = AsyncOpenAI(base_url=f"{address}/v1", api_key=self.auth.key or "none",
+                                              timeout=self._timeout_s, max_retries=self._max_retries, http_client=http)
         self.router.add_engine(engine_id)
 
     async def remove_engine(self, engine_id: int) -> None:

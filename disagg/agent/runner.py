@@ -18,6 +18,7 @@ import traceback
 from collections import Counter
 from typing import Any
 
+from disagg.agent.client import EngineAuth
 from disagg.config import AgentConfig
 from disagg.rollout.types import Completion, GenResult, SamplingSpec
 from disagg.storage import local_copy
@@ -30,7 +31,8 @@ class AgentRunner:
 
     def __init__(self, cfg: AgentConfig, model_path: str, addresses: dict[int, str], served_model_name: str,
                  tool_call_parser: str, max_model_len: int, log_level: str = "INFO",
-                 cache_dir: str = "~/.cache/disagg", require_sandbox_isolation: bool = False) -> None:
+                 cache_dir: str = "~/.cache/disagg", require_sandbox_isolation: bool = False,
+                 auth: EngineAuth | None = None) -> None:
         from transformers import AutoTokenizer
 
         from disagg.agent.client import RoutedCompletions
@@ -51,7 +53,7 @@ class AgentRunner:
                                               max_result_chars=cfg.max_tool_result_chars)
         self.parser = ToolCallParser(tool_call_parser, tok, self.tools.openai_tools())
         self.llm = RoutedCompletions({int(k): v for k, v in addresses.items()}, served_model_name,
-                                     timeout_s=cfg.client_timeout_s, max_retries=cfg.client_max_retries)
+                                     timeout_s=cfg.client_timeout_s, max_retries=cfg.client_max_retries, auth=auth)
         self.limits = AgentLimits(cfg.max_turns, cfg.max_tokens_per_turn, cfg.max_trajectory_tokens, max_model_len)
         self.counts: Counter = Counter()
         self._logged: set[str] = set()

@@ -161,12 +161,22 @@ def _check_storage(cfg: Config, mode: str) -> None:
 
 
 def _check_control(cfg: Config, mode: str) -> None:
-    """The coordinator's TLS files and ports."""
+    """The coordinator's TLS files and ports; the engines' API keys and TLS files."""
     c = cfg.control
     _check((c.tls_cert is None) == (c.tls_key is None),
            f"control.tls_cert={c.tls_cert!r}, control.tls_key={c.tls_key!r}: TLS needs both (or neither)")
     for key, v in (("control.tls_cert", c.tls_cert), ("control.tls_key", c.tls_key), ("control.tls_ca", c.tls_ca)):
         _check(v is None or os.path.isfile(os.path.expanduser(v)), f"{key}={v!r}: no such file")
+    r = cfg.rollout
+    _check((r.api_tls_cert is None) == (r.api_tls_key is None),
+           f"rollout.api_tls_cert={r.api_tls_cert!r}, rollout.api_tls_key={r.api_tls_key!r}: TLS needs both "
+           "(or neither)")
+    for key, v in (("rollout.api_tls_cert", r.api_tls_cert), ("rollout.api_tls_key", r.api_tls_key),
+                   ("rollout.api_tls_ca", r.api_tls_ca)):
+        _check(v is None or os.path.isfile(os.path.expanduser(v)), f"{key}={v!r}: no such file")
+    _check(r.api_key is None or r.api_key.startswith(("env:", "file:")),
+           f"rollout.api_key={'<a literal key>' if r.api_key else repr(r.api_key)}: must be null (the control token), "
+           "'env:NAME' or 'file:PATH'; a key written here would be written into the run's config.json")
     _check(0 <= c.port < 65536, f"control.port={c.port}: must be in [0, 65535]")
     _check(c.metrics_port is None or 0 <= c.metrics_port < 65536,
            f"control.metrics_port={c.metrics_port}: must be in [0, 65535] (0 = a free port) or null (off)")

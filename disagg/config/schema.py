@@ -167,7 +167,20 @@ class RolloutConfig:
     same weights-loaded gate, and vLLM's Prometheus metrics at /metrics; the addresses are in
     `disagg ctl status`."""
     api_host: str = "127.0.0.1"
-    """Interface the OpenAI API binds to; 'node' = the node's IP (reachable from other nodes)."""
+    """Interface the OpenAI API binds to; 'node' = the node's IP (reachable from other nodes). Bound
+    off loopback, every request that arrives there needs the key (api_key), the probes excepted."""
+    api_key: str | None = None
+    """Where the key comes from that requests to an engine's OpenAI API off loopback must carry
+    ('Authorization: Bearer <key>'): null = the job's control token (<run_dir>/control.token);
+    'env:NAME' = the driver's environment variable NAME; 'file:PATH' = the file PATH (mode 0600).
+    Not the key itself, which would be written into the run's config.json."""
+    api_tls_cert: str | None = None
+    """PEM certificate: the OpenAI API speaks HTTPS (with api_tls_key); it must name the engines'
+    addresses. null = plain HTTP."""
+    api_tls_key: str | None = None
+    """PEM private key of api_tls_cert."""
+    api_tls_ca: str | None = None
+    """PEM the agent clients verify the engines against; null = api_tls_cert itself (self-signed)."""
     api_port_base: int = 0
     """0: a free port per engine; otherwise engine i listens on api_port_base + i."""
     served_model_name: str = "policy"

@@ -56,6 +56,26 @@ def read_token(path: str | Path) -> str:
     return token
 
 
+def api_key(spec: str | None, token: str | None) -> str | None:
+    """The key the engines' OpenAI endpoints ask off loopback (``rollout.api_key``): ``token`` (the
+    job's control token) for null, the driver's environment variable NAME for 'env:NAME', the file
+    PATH (owner-only, like the token's) for 'file:PATH'. A ConfigError names the key and what is missing."""
+    from disagg.errors import ConfigError
+
+    if spec is None:
+        return token
+    kind, _, where = spec.partition(":")
+    if kind == "env":
+        key = os.environ.get(where, "").strip()
+        if not key:
+            raise ConfigError(f"rollout.api_key={spec!r}: the environment variable {where} is unset or empty here")
+        return key
+    try:
+        return read_token(where)
+    except ControlError as e:
+        raise ConfigError(f"rollout.api_key={spec!r}: {e}") from None
+
+
 def bearer(token: str) -> tuple[tuple[str, str]]:
     """Call metadata carrying ``token``."""
     return ((METADATA_KEY, f"Bearer {token}"),)

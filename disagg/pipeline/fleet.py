@@ -39,6 +39,7 @@ class AgentRunners:
     def start(self, job) -> None:
         import ray
 
+        from disagg.agent.client import EngineAuth
         from disagg.agent.runner import AgentRunner
         from disagg.errors import ConfigError
 
@@ -49,7 +50,8 @@ class AgentRunners:
         cls = ray.remote(AgentRunner).options(num_cpus=0, max_concurrency=1000)
         self.handles = [cls.remote(self.cfg.agent, str(job.model_path), addresses, roll.served_model_name,
                                    roll.tool_call_parser or "hermes", roll.max_model_len, self.cfg.logging.level,
-                                   self.cfg.model.cache_dir, self.cfg.reward.require_sandbox_isolation)
+                                   self.cfg.model.cache_dir, self.cfg.reward.require_sandbox_isolation,
+                                   EngineAuth(job.api_key, roll.api_tls_ca or roll.api_tls_cert))
                         for _ in range(self.cfg.agent.num_runners)]
         self.routed = set(addresses)
 

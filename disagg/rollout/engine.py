@@ -92,13 +92,15 @@ class EngineActor(EngineSync, EnginePeers):
 
     def __init__(self, engine_id: int, model_path: str, cfg: RolloutConfig, coordinator: Any,
                  rpc_timeout_s: float, seed: int = 0, log_level: str = "INFO",
-                 transport_cfg: TransportConfig | None = None, cache_dir: str = "~/.cache/disagg"):
+                 transport_cfg: TransportConfig | None = None, cache_dir: str = "~/.cache/disagg",
+                 api_key: str | None = None):
         setup_logging(f"rollout:{engine_id}", log_level, actor=True)
         pin_process(cfg.cpu_affinity, f"engine {engine_id}")
         self.engine_id = engine_id
         # A local model directory, or a checkpoint at an fsspec URL: this node's copy of it.
         self.model_path = str(local_copy(model_path, cache_dir))
         self.cfg = cfg
+        self.api_key = api_key  # the OpenAI API asks it of requests off loopback
         self.transport_cfg = transport_cfg or TransportConfig()
         self.seed = seed
         self.version = 0  # 0 = dummy weights, never served
@@ -226,15 +228,18 @@ class EngineActor(EngineSync, EnginePeers):
 
     async def _start_http(self, node_ip: str) -> None:
         """Serve vLLM's OpenAI API from this actor, behind the weights-loaded gate."""
-        from disagg.rollout.openai_server import start_openai_server
+        from disagg.rollout.openai_server import ServerAccess, start_openai_server
 
-        host = node_ip if self.cfg.api_host == "node" else self.cfg.api_host
-        port = self.cfg.api_port_base + self.engine_id if self.cfg.api_port_base else 0
+        c = self.cfg
+        access = ServerAccess(node_ip if c.api_host == "node" else c.api_host,
+                              c.api_port_base + self.engine_id if c.api_port_base else 0, self.api_key,
+                              c.api_tls_cert and os.path.expanduser(c.api_tls_cert),
+                              c.api_tls_key and os.path.expanduser(c.api_tls_key))
         # Ready (``/health``) while real weights are loaded: a sync in progress keeps it ready (its
         # requests wait at the gate a moment), a failed one that leaves part of a version does not.
         server, task, self.address, gate = await start_openai_server(
-            self._engine, model_path=self.model_path, served_model_name=self.cfg.served_model_name, host=host,
-            port=port, tool_call_parser=self.cfg.tool_call_parser, wait_weights=self._wait_weights,
+            self._engine, model_path=self.model_path, served_model_name=c.served_model_name, access=access,
+            tool_call_parser=c.tool_call_parser, wait_weights=self._wait_weights,
             ready=self._weights_loaded.is_set, version=lambda: self.version, counters=self.stats)
         self._http = (server, task, gate)
 
@@ -549,7 +554,7 @@ class EngineActor(EngineSync, EnginePeers):
                     **({"vllm_generation_tokens": made} if made is not None else {}))
 
     async def get_address(self) -> str:
-        """The OpenAI API base address (``http://host:port``; append ``/v1``), empty if not serving."""
+        """The OpenAI API base address (``http(s)://host:port``; append ``/v1``), empty if not serving."""
         return self.address
 
     async def get_http_routes(self) -> list[dict[str, Any]]:

@@ -24,6 +24,14 @@ a request matches, and its method; ``route_access``):
   weight updates spans several), so staleness measured from ``-min`` is never
   under-estimated. Gated requests in flight are counted for the actor's stats.
 
+In front of the gate, ``KeyCheck``: an endpoint bound off loopback (``rollout.api_host``) answers
+401 to any request that arrived on an interface other than loopback without
+``Authorization: Bearer <key>`` (the job's control token unless ``rollout.api_key`` names another),
+on every route but the probes (``/live``, ``/health``, ``/ping``: a load balancer's health check
+carries no key, and they say only whether the engine is up and has weights). Over loopback no key
+is asked: the node's own processes, as before. Such an endpoint also listens on loopback at the same
+port where that port is free there.
+
 The gate must never let a route it has not classified through before the first
 sync: a new route waits (deny by default). Only the engine actor imports this
 module's server (it imports vLLM, FastAPI, uvicorn); ``route_access`` is pure.
@@ -36,8 +44,10 @@ import contextlib
 import json
 import logging
 import socket
+from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
+from disagg.errors import ConfigError
 from disagg.rollout.types import VERSION_MAX_HEADER, VERSION_MIN_HEADER
 
 log = logging.getLogger("disagg.rollout")
@@ -102,6 +112,50 @@ def matched_route(routes, scope) -> str | None:
         if match == Match.PARTIAL and partial is None:
             partial = getattr(route, "path", None)
     return partial
+
+
+OPEN_WITHOUT_KEY = frozenset({LIVENESS_PATH, *READINESS_PATHS})
+"""Paths answered without a key on every interface: the probes (whether the process is up, whether
+it has weights); nothing else."""
+
+
+def is_loopback(host: str | None) -> bool:
+    """Whether ``host`` (an address, or 'localhost') is this machine's loopback."""
+    import ipaddress
+
+    if host is None:
+        return False
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.split("%")[0]).is_loopback
+    except ValueError:
+        return False
+
+
+class KeyCheck:
+    """ASGI middleware: with a ``key``, a request that arrived on an interface other than loopback
+    (``scope["server"]``: the address it was sent to) must carry ``Authorization: Bearer <key>``,
+    or it gets a 401 naming what is missing; the probes (``OPEN_WITHOUT_KEY``) pass."""
+
+    def __init__(self, app, key: str | None) -> None:
+        self.app = app
+        self._expected = f"Bearer {key}".encode() if key else None
+
+    async def __call__(self, scope, receive, send) -> None:
+        if (self._expected is None or scope["type"] not in ("http", "websocket")
+                or scope["path"] in OPEN_WITHOUT_KEY or is_loopback((scope.get("server") or (None,))[0])):
+            await self.app(scope, receive, send)
+            return
+        import hmac
+
+        got = dict(scope.get("headers") or ()).get(b"authorization", b"")
+        if hmac.compare_digest(got, self._expected):
+            await self.app(scope, receive, send)
+            return
+        why = ("wrong key" if got else "no key: send 'Authorization: Bearer <key>' (the job's control token, "
+               "<run_dir>/control.token, unless rollout.api_key names another)")
+        await _deny(scope, send, 401, "Unauthorized", f"{scope.get('method', 'WEBSOCKET')} {scope['path']}: {why}")
 
 
 class WeightsGate:
@@ -179,32 +233,76 @@ class WeightsGate:
             self.counters["http_inflight"] -= 1
 
 
-async def _send_json(send, status: int, payload: dict) -> None:
+async def _send_json(send, status: int, payload: dict, headers: list | None = None) -> None:
     await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json")]})
+                "headers": [(b"content-type", b"application/json"), *(headers or [])]})
     await send({"type": "http.response.body", "body": json.dumps(payload).encode()})
 
 
 async def _deny(scope, send, status: int, error_type: str, message: str) -> None:
     """An OpenAI-style error; a WebSocket is closed before it is accepted (the server answers 403)."""
     if scope["type"] == "websocket":
-        await send({"type": "websocket.close", "code": 1008 if status == 403 else 1013, "reason": message[:120]})
+        await send({"type": "websocket.close", "code": 1013 if status == 503 else 1008, "reason": message[:120]})
         return
-    await _send_json(send, status, {"error": {"message": message, "type": error_type, "code": status}})
+    extra = [(b"www-authenticate", b"Bearer")] if status == 401 else []
+    await _send_json(send, status, {"error": {"message": message, "type": error_type, "code": status}}, extra)
 
 
-async def start_openai_server(engine, *, model_path: str, served_model_name: str, host: str, port: int,
+@dataclass(frozen=True)
+class ServerAccess:
+    """Who may reach an engine's OpenAI endpoint: where it binds, the key it asks off loopback
+    (None: none), and the PEM certificate and key of its TLS (None: plain HTTP)."""
+
+    host: str
+    port: int
+    key: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+
+    def check(self) -> None:
+        """A ConfigError when the endpoint would answer other hosts without a key."""
+        if not is_loopback(self.host) and not self.key:
+            raise ConfigError(f"rollout.api_host={self.host!r} serves other hosts, and no key is set to ask them "
+                              "for: an engine needs the job's control token or rollout.api_key")
+
+
+def _sockets(host: str, port: int) -> list[socket.socket]:
+    """The listening sockets: ``host:port`` (0 = a free port), and loopback at the same port too
+    where ``host`` is one other address (not loopback, not every interface) and that port is free."""
+    def bind(h: str, p: int) -> socket.socket:
+        sock = socket.socket(socket.AF_INET6 if ":" in h else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((h, p))
+        except OSError:
+            sock.close()
+            raise
+        return sock
+
+    main = bind(host, port)
+    if is_loopback(host) or host in ("0.0.0.0", "::"):
+        return [main]
+    try:
+        return [main, bind("127.0.0.1", main.getsockname()[1])]
+    except OSError as e:
+        log.warning("OpenAI API: not on loopback too (127.0.0.1:%d: %s); clients on this node use %s",
+                    main.getsockname()[1], e.strerror, host)
+        return [main]
+
+
+async def start_openai_server(engine, *, model_path: str, served_model_name: str, access: ServerAccess,
                               tool_call_parser: str | None, wait_weights: Callable[[str], Any],
                               ready: Callable[[], bool], version: Callable[[], int], counters: dict[str, int]):
-    """Serve vLLM's OpenAI app for ``engine`` on ``host:port`` (0 = a free port), behind ``WeightsGate``.
+    """Serve vLLM's OpenAI app for ``engine`` as ``access`` says, behind ``KeyCheck`` and ``WeightsGate``.
 
-    Returns ``(server, serve_task, "http://host:port", gate)``; stop with
+    Returns ``(server, serve_task, "http(s)://host:port", gate)``; stop with
     ``server.should_exit = True`` and await the task.
     """
     import uvicorn
 
     from disagg.rollout.vllm_api import openai_app_builders, tool_parser_class
 
+    access.check()
     build_app, init_app_state, make_arg_parser, FlexibleArgumentParser = openai_app_builders()
     if tool_call_parser:
         tool_parser_class(tool_call_parser)  # a name vLLM does not have: a ConfigError naming the key
@@ -219,15 +317,13 @@ async def start_openai_server(engine, *, model_path: str, served_model_name: str
     await init_app_state(engine, app.state, args, tasks)
     gate = WeightsGate(app, wait_weights=wait_weights, ready=ready, version=version, counters=counters)
 
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    bound_port = sock.getsockname()[1]
-    config = uvicorn.Config(gate, log_level="warning", lifespan="off", access_log=False,
-                            timeout_keep_alive=30)
+    sockets = _sockets(access.host, access.port)
+    bound_port = sockets[0].getsockname()[1]
+    config = uvicorn.Config(KeyCheck(gate, access.key), log_level="warning", lifespan="off", access_log=False,
+                            timeout_keep_alive=30, ssl_certfile=access.tls_cert, ssl_keyfile=access.tls_key)
     server = uvicorn.Server(config)
     server.capture_signals = contextlib.nullcontext  # the actor owns SIGINT/SIGTERM, not uvicorn
-    task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
+    task = asyncio.get_running_loop().create_task(server.serve(sockets=sockets))
     for _ in range(200):  # started within 10 s or the task's error surfaces
         if server.started or task.done():
             break
@@ -235,7 +331,10 @@ async def start_openai_server(engine, *, model_path: str, served_model_name: str
     if task.done():
         task.result()
     if not server.started:
-        raise RuntimeError(f"OpenAI server on {host}:{bound_port} did not start within 10 s")
-    address = f"http://{host}:{bound_port}"
-    log.info("OpenAI API at %s/v1 (model %r, tool parser %s)", address, served_model_name, tool_call_parser)
+        raise RuntimeError(f"OpenAI server on {access.host}:{bound_port} did not start within 10 s")
+    host = f"[{access.host}]" if ":" in access.host else access.host
+    address = f"{'https' if access.tls_cert else 'http'}://{host}:{bound_port}"
+    log.info("OpenAI API at %s/v1 (model %r, tool parser %s%s)", address, served_model_name, tool_call_parser,
+             "" if is_loopback(access.host) else ", a key asked off loopback"
+             + (", also on 127.0.0.1 without one" if len(sockets) > 1 else ""))
     return server, task, address, gate

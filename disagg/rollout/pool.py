@@ -13,6 +13,7 @@ import threading
 from typing import Any
 
 from disagg.config import Config
+from disagg.errors import ConfigError
 from disagg.logs import ray_get_logged
 from disagg.rollout import vllm_api
 from disagg.rollout.types import GenRequest, GenResult
@@ -34,8 +35,15 @@ class RolloutPool:
     """
 
     def __init__(self, cfg: Config, pg, device: str, model_path: str, coordinator=None,
-                 label_selector: dict[str, str] | None = None, wait: bool = True):
+                 label_selector: dict[str, str] | None = None, wait: bool = True, api_key: str | None = None):
+        from disagg.rollout.openai_server import is_loopback
+
+        if cfg.rollout.openai_api and not api_key and not is_loopback(cfg.rollout.api_host):
+            raise ConfigError(f"rollout.api_host={cfg.rollout.api_host!r}: the engines' OpenAI API would answer other "
+                              "hosts with no key to ask them for (rollout.api_key: env:NAME or file:PATH; a training "
+                              "job uses its control token)")
         self.cfg, self.device, self.model_path, self.coordinator = cfg, device, model_path, coordinator
+        self.api_key = api_key  # what the engines' OpenAI API asks off loopback
         self.label_selector = dict(label_selector or {})  # cluster.rollout_nodes, for engines added later
         self.timeout_s = cfg.cluster.actor_timeout_s
         self.tp = cfg.rollout.tensor_parallel_size
@@ -92,7 +100,7 @@ class RolloutPool:
             runtime_env={"env_vars": env},
             max_concurrency=1000,
         ).remote(eid, self.model_path, cfg.rollout, self.coordinator, cfg.control.rpc_timeout_s,
-                 cfg.trainer.seed + 1000 * eid, cfg.logging.level, cfg.transport, cfg.model.cache_dir)
+                 cfg.trainer.seed + 1000 * eid, cfg.logging.level, cfg.transport, cfg.model.cache_dir, self.api_key)
         with self._lock:
             self._slots[eid] = (pg, bundle_indices, own_pg)
         return eid, handle

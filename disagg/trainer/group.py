@@ -138,10 +138,13 @@ class TrainerGroup:
         return Manifest.from_dict(self._get(self.transport_method(0, "manifest").remote(policy_version),
                                             f"manifest of version {policy_version}"))
 
-    def save_checkpoint(self, path: str) -> str:
-        """Every worker writes its part of a checkpoint under ``path`` (see TrainerWorker.save_checkpoint)."""
-        self._get([w.save_checkpoint.remote(path) for w in self.workers], f"checkpoint to {path}")
-        return path
+    def save_checkpoint(self, path: str) -> dict:
+        """Every worker writes its part of a checkpoint under ``path`` (see TrainerWorker.save_checkpoint);
+        returns the digests of every file they wrote (``{name: FileDigest}``)."""
+        from disagg.digests import FileDigest
+
+        outs = self._get([w.save_checkpoint.remote(path) for w in self.workers], f"checkpoint to {path}")
+        return {n: FileDigest(f["bytes"], f["digest"]) for out in outs for n, f in out["files"].items()}
 
     def shutdown(self) -> None:
         import ray

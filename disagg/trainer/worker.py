@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 import time
 from collections import deque
@@ -24,6 +25,7 @@ import torch
 from disagg import faults
 from disagg.cluster import freeze_heap, pin_process
 from disagg.config import AlgorithmConfig, TrainerConfig, TransportConfig
+from disagg.digests import digest_files, files_under
 from disagg.logs import setup_logging
 from disagg.samples import TrainSample
 from disagg.storage import local_copy, writable_dir
@@ -34,6 +36,7 @@ from disagg.trainer.push import TrainerPush
 from disagg.trainer.snapshot import Snapshots
 
 log = logging.getLogger("disagg.trainer")
+_RNG_FILE = re.compile(r"rng_rank\d+\.pt")
 
 
 class TrainerWorker(TrainerPush, TrainerPeers):
@@ -326,14 +329,22 @@ class TrainerWorker(TrainerPush, TrainerPeers):
         else:
             model_sd = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
         optim_sd = get_optimizer_state_dict(self.model, self.opt, options=opts)
+        rng = f"rng_rank{self.rank}.pt"
         with writable_dir(path) as out:  # a URL: written here, then copied up
             torch.save({"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if
-                        torch.cuda.is_available() else None}, out / f"rng_rank{self.rank}.pt")
+                        torch.cuda.is_available() else None}, out / rng)
+            mine = [rng]
             if self.rank == 0:
                 self.model.save_pretrained(out, state_dict=model_sd, safe_serialization=True)
                 torch.save({"optimizer": optim_sd, "scheduler": self.sched.state_dict(),
                             "world_size": self.world_size}, out / "optimizer.pt")
-        return {"rank": self.rank, "path": path}
+                # every file but the other ranks' RNG states (a shared directory holds them too)
+                mine = [n for n in files_under(out) if n == rng or not _RNG_FILE.fullmatch(n)]
+            t0 = time.perf_counter()
+            files = digest_files(out, mine)  # read back from the page cache, before any upload
+        log.info("checkpoint files of rank %d: %d bytes, digested in %.2fs", self.rank,
+                 sum(f.num_bytes for f in files.values()), time.perf_counter() - t0)
+        return {"rank": self.rank, "path": path, "files": {n: f.to_json() for n, f in files.items()}}
 
     def load_checkpoint(self, path: str, reference_path: str | None = None) -> dict[str, Any]:
         """Load a checkpoint's optimizer, scheduler and RNG state (``setup`` loaded its weights: the
