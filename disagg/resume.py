@@ -168,7 +168,7 @@ def newest_verified(resume: str, found: list[str], cache_dir: str = DEFAULT_CACH
         if skipped:
             moved = [posixpath.basename(storage.move_aside(v.checkpoint, f"damaged-{int(time.time())}"))
                      for v in skipped]
-            log.warning("resume: skipped the damaged checkpoint%s %s, moved to %s; resuming from %s",
+            log.warning("skipped the damaged checkpoint%s %s, moved to %s; resuming from %s",
                         "s" if len(skipped) > 1 else "", ", ".join(v.says() for v in skipped), ", ".join(moved),
                         verdict.name)
         _say_verified(verdict)

@@ -10,6 +10,8 @@ over the same group, per ``transport.load`` mode (``disagg/bench/vllm_sync.py``)
 trains at a learning rate of your choosing (``disagg/bench/delta.py``).
 ``peers``: one GRPO job in disagg, verl and TRL on the same GPUs, side by side
 (``disagg/bench/peers/``).
+``digest``: checking a checkpoint against its manifest against reading its bytes
+(``disagg/bench/digest.py``).
 ``soak``: a long ``disagg train`` with a pause/resume and an engine kill, RSS over
 time and the fault counts (``disagg/bench/soak.py``; not in CI).
 """
@@ -23,6 +25,7 @@ BENCHMARKS = {"transport": "weight sync vs raw broadcast, per-parameter broadcas
               "vllm-sync": "a sync into a real vLLM engine, phase by phase, vs a raw broadcast over the same group",
               "delta": "delta syncs vs dense ones while a model trains: changed fraction, bytes, seconds",
               "peers": "one GRPO job in disagg, verl and TRL on this machine: tokens/s, step time, time to reward 0.9",
+              "digest": "checking a checkpoint's digests vs reading its bytes (cold and warm page cache)",
               "soak": "a long `disagg train` with a pause/resume and an engine kill: RSS over time, nothing lost"}
 
 
@@ -37,6 +40,10 @@ def main(argv: list[str]) -> int:
         from disagg.bench.soak import main as soak_main
 
         return soak_main(argv[1:])
+    if argv[0] == "digest":
+        from disagg.bench.digest import main as digest_main
+
+        return digest_main(argv[1:])
     if argv[0] == "peers":
         from disagg.bench.peers.bench import main as peers_main
 

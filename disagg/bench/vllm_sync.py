@@ -17,7 +17,7 @@ untimed syncs first: a direct load learns its copy plan in the first) and then f
              here, not timed), laid out as the buckets in the wire dtype, so the push sends views
              of it with no packing or cast
   <load>, armed  the same, with every engine's receive and the trainer's push put on the group
-             before the announce (``Job.arm_sync``, as the loop does when the engines are idle during a
+             before the announce (``WeightSync.arm``, as the loop does when the engines are idle during a
              train step; the push's header taken by every worker then, its first buckets packed at the
              step's end): the announce only says the driver's word (``transport.signals``) to the push
              and the waiting workers, and only buckets move after it; also reported: the trainer's push
@@ -36,9 +36,9 @@ host's clock; the engine core steps again from there), without the answers' way 
 
 With ``--first-buckets 0,32M`` the blocks run once per value of ``transport.first_bucket_bytes`` (the
 buckets' ramp; 0: every bucket full), the trainer re-planning its buckets between passes
-(``Job.replan_buckets``): each layout's syncs side by side in one run, labelled with it. With
+(``WeightSync.replan_buckets``): each layout's syncs side by side in one run, labelled with it. With
 ``--signals store,socket`` they run once per ``transport.signals`` (how the words that start an armed
-sync travel), the transport rebuilt between passes (``Job.set_signals``); the armed blocks' words are
+sync travel), the transport rebuilt between passes (``WeightSync.set_signals``); the armed blocks' words are
 compared side by side: when the trainer's push and each engine's worker had theirs, and the sync.
 
 and reports medians: each mode's seconds, raw / sync (the share of the raw rate a sync reaches), the
@@ -246,9 +246,9 @@ def run(o: VllmSyncOptions) -> dict[str, Any]:
         for way, first, block in itertools.product(ways, ramps, blocks):
             mode, armed, from_snapshot = block
             label = label_of(mode, armed, from_snapshot, first, way)
-            job.set_signals(way)  # (a pass's first block rebuilds the transport for it; later ones keep it)
+            job.weights.set_signals(way)  # (a pass's first block rebuilds the transport for it; later ones keep it)
             if named and block == blocks[0]:  # a layout's first block: the trainer re-plans its buckets
-                report.setdefault("layouts", {})[_ramp_label(first)] = job.replan_buckets(first)  # its bucket count
+                report.setdefault("layouts", {})[_ramp_label(first)] = job.weights.replan_buckets(first)  # its bucket count
             resolved[mode] = ray.get([e.set_load_mode.remote(mode) for e in engines], timeout=60)[0]
             for i in range(o.warmup + o.repeats):
                 if o.delta:  # the weights did not change: these blocks time dense syncs

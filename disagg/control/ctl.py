@@ -4,7 +4,8 @@ One subcommand per Ops call: ``status`` (pools, engines with state / version /
 load and vLLM's ``/metrics`` address, trainer step, staleness limit, buffer, the
 coordinator's Prometheus endpoint), ``pause`` / ``resume`` (the
 rollout), ``set-staleness N``, ``scale N`` (rollout engines), ``checkpoint``, ``stop`` (graceful: finish the
-step, checkpoint, exit 0) and ``watch`` (per-step metrics as they come).
+step, checkpoint, exit 0) and ``watch`` (per-step metrics as they come); ``complete PROMPT`` asks an
+engine's OpenAI API, with the key it asks off loopback (the control token by default).
 ``--run-dir`` finds the job's address and token in its run directory;
 ``--address`` / ``--token`` / ``--token-file`` override them; ``--json`` prints
 machine-readable output. The top-level CLI (``disagg/cli.py``) hands ``argv``
@@ -28,6 +29,10 @@ from disagg.control.auth import TOKEN_FILE, read_token
 from disagg.control.client import CoordinatorClient
 from disagg.control.types import ClusterStatus, EngineState
 from disagg.errors import ControlError
+
+VERSION_MAX_HEADER = "x-disagg-policy-version-max"
+"""The engines' response header (``disagg.rollout.types``; a wire name, spelled here so that the control
+package does not import the rollout package, which imports it)."""
 
 ADDRESS_ENV = "DISAGG_COORDINATOR"
 RUN_DIR_ENV = "DISAGG_RUN_DIR"
@@ -76,6 +81,15 @@ def _parser() -> argparse.ArgumentParser:
         sp.add_argument("--reason", default="", help="logged by the job")
     ck = sub.add_parser("checkpoint", parents=[common], help="checkpoint after the step in progress")
     ck.add_argument("--wait", type=float, default=600.0, help="seconds to wait for it (default 600)")
+    comp = sub.add_parser("complete", parents=[common],
+                          help="ask an engine's OpenAI API for a completion (sends the key it asks off loopback)")
+    comp.add_argument("prompt", help="the prompt text")
+    comp.add_argument("--engine", type=int, default=None, help="engine id (default: the first ready engine)")
+    comp.add_argument("--max-tokens", type=int, default=32, help="tokens to generate (default 32)")
+    comp.add_argument("--api-key-env", default=None,
+                      help="environment variable holding the engines' key (rollout.api_key=env:NAME); default: "
+                           "the control token, the engines' key unless rollout.api_key names another")
+    comp.add_argument("--api-ca", default=None, help="PEM to verify an HTTPS engine against (rollout.api_tls_ca)")
     watch = sub.add_parser("watch", parents=[common], help="stream per-step metrics until the job ends")
     watch.add_argument("--from-step", type=int, default=0, help="replay from this step (default: new steps only)")
     return parser
@@ -151,6 +165,9 @@ def _run(args, client: CoordinatorClient) -> int:
         step, version, path = client.checkpoint(timeout_s=args.wait)
         _say(args, {"step": step, "policy_version": version, "path": path},
              f"checkpoint of step {step} (policy version {version}): {path}")
+    elif cmd == "complete":
+        reply = complete(args, client)
+        _say(args, reply, f"engine {reply['engine_id']} (policy version {reply['policy_version']}): {reply['text']}")
     elif cmd == "watch":
         if args.from_step < 0:
             print(f"disagg ctl: --from-step={args.from_step}: must be >= 0", file=sys.stderr)
@@ -165,6 +182,57 @@ def _run(args, client: CoordinatorClient) -> int:
                 cells = [(fmt.format(values[k]) if k in values else "-") for k, _, fmt in WATCH_COLUMNS]
                 console.print(f"{step:>6}  " + "  ".join(f"{c:>10}" for c in cells))
     return 0
+
+
+def complete(args, client: CoordinatorClient) -> dict:
+    """``POST /v1/completions`` to the engine ``args`` names (else the first ready one), found through
+    the coordinator, with ``Authorization: Bearer <key>``: the key from ``--api-key-env``, else the
+    control token ``client`` holds. A ControlError says why an engine could not answer."""
+    import ssl
+    import urllib.error
+    import urllib.request
+
+    engines = {e.engine_id: e for e in client.status().engines if e.address}
+    ready = [i for i, e in sorted(engines.items()) if e.state == EngineState.READY]
+    eid = args.engine if args.engine is not None else (ready[0] if ready else None)
+    if eid not in engines:
+        raise ControlError(f"no engine {eid} serving the OpenAI API (engines with an address: "
+                           f"{sorted(engines) or 'none'}; ready: {ready or 'none'})")
+    key = client.token
+    if args.api_key_env:
+        key = os.environ.get(args.api_key_env, "").strip()
+        if not key:
+            raise ControlError(f"--api-key-env {args.api_key_env}: the environment variable is unset or empty")
+    url = f"{engines[eid].address}/v1/completions"
+    try:
+        body = json.dumps({"model": _served_model(engines[eid].address, key, args.api_ca), "prompt": args.prompt,
+                           "max_tokens": args.max_tokens, "temperature": 0}).encode()
+        request = urllib.request.Request(url, data=body, headers={"content-type": "application/json",
+                                                                  **({"authorization": f"Bearer {key}"} if key else {})})
+        with urllib.request.urlopen(request, timeout=max(args.timeout, 60.0), context=_tls(args.api_ca)) as resp:
+            reply = json.loads(resp.read())
+            version = resp.headers.get(VERSION_MAX_HEADER)
+    except urllib.error.HTTPError as e:
+        raise ControlError(f"{url}: {e.code} {e.read().decode(errors='replace')[:300]}") from None
+    except (urllib.error.URLError, ssl.SSLError, OSError) as e:
+        raise ControlError(f"{url}: {getattr(e, 'reason', e)}") from None
+    return {"engine_id": eid, "policy_version": int(version) if version else None,
+            "text": reply["choices"][0]["text"], "finish_reason": reply["choices"][0]["finish_reason"]}
+
+
+def _tls(ca: str | None):
+    import ssl
+
+    return ssl.create_default_context(cafile=os.path.expanduser(ca)) if ca else None
+
+
+def _served_model(address: str, key: str | None, ca: str | None) -> str:
+    """The model name the engine serves (its ``/v1/models``)."""
+    import urllib.request
+
+    request = urllib.request.Request(f"{address}/v1/models", headers={"authorization": f"Bearer {key}"} if key else {})
+    with urllib.request.urlopen(request, timeout=30, context=_tls(ca)) as resp:
+        return json.loads(resp.read())["data"][0]["id"]
 
 
 def _say(args, data: dict, text: str) -> None:

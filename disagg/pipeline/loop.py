@@ -17,7 +17,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 
 from disagg.cluster import freeze_heap
-from disagg.job import SyncStats
+from disagg.weightsync import SyncStats
 from disagg.pipeline.fleet import AgentRunners, EngineFleet, brief
 from disagg.pipeline.generation import Generation
 from disagg.pipeline.recorder import StepRecord, StepRecorder

@@ -105,7 +105,7 @@ class SyncController:
     def arm(self, version: int, limit: int, engines_idle: bool) -> None:
         """A train step that makes ``version`` started. At staleness 0 the engines have nothing to generate
         until its weights arrive: their receives wait on the transport group meanwhile (``transport.arm``,
-        ``Job.arm_sync``), so its sync starts with no dispatch to them. Not while anything else is to
+        ``WeightSync.arm``), so its sync starts with no dispatch to them. Not while anything else is to
         happen at that sync (engines joining or leaving, a rebuild, a sync still going)."""
         if not (self.cfg.transport.arm and limit == 0 and engines_idle and self.idle and not self.rebuild
                 and not self.fleet.changes_pending()):
@@ -180,7 +180,7 @@ class SyncController:
         return sync, record
 
     def _finish(self, pending, trainer_holds: int | None):
-        """``Job.finish_sync``, surviving failed parties; where a sync retry is decided."""
+        """``WeightSync.finish``, surviving failed parties; where a sync retry is decided."""
         import ray
 
         from disagg.errors import ChecksumError, RolloutError, TransportError

@@ -53,7 +53,7 @@ class EngineSync:
         the version: the worker waits on the transport group, ready, until the trainer's push says go
         (within ``arm_timeout_s``), so the sync then costs the wire and nothing of Ray's or vLLM's
         dispatch; called off by the trainer, it returns a report with ``cancelled`` set. ``arm_header``
-        (the trainer's push is armed too: ``Job.arm_sync``): the worker takes the push's header before
+        (the trainer's push is armed too: ``WeightSync.arm``): the worker takes the push's header before
         the word, so that after it only buckets are posted.
         ``max_staleness``: the run's limit; once the version serves, the requests that may be dropped
         and that no step can train any more stop (``_drop_stale``).

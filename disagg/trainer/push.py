@@ -137,7 +137,7 @@ class TrainerPush:
         instead; this runs on the actor's ``transport`` thread while the next step trains
         (not with ``source=gather`` over several ranks, whose gathers are collectives).
 
-        ``go_timeout_s``: an armed push (``Job.arm_sync``), called while the step that makes the
+        ``go_timeout_s``: an armed push (``WeightSync.arm``), called while the step that makes the
         version still trains: it sets up (its buckets planned, its header on the device), then waits
         in the group's store for the driver's word (``go_key``), at most that long, and sends the
         moment it comes, with no Ray call between the announce and the wire. Called off instead, it

@@ -378,7 +378,7 @@ def arm_key(arm_id: int) -> str:
 
 def go_key(arm_id: int) -> str:
     """The store key an armed push waits on and the driver sets (``ARM_SEND`` after it announced the
-    version, or ``ARM_CANCEL``): the trainer's side of an armed sync (``Job.arm_sync``)."""
+    version, or ``ARM_CANCEL``): the trainer's side of an armed sync (``WeightSync.arm``)."""
     return f"go/{arm_id}"
 
 

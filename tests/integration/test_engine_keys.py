@@ -155,3 +155,20 @@ def tok(keyed):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(keyed[0].model_path))
+
+
+def test_disagg_ctl_complete_sends_the_key_and_names_what_fails(keyed, capsys, monkeypatch):
+    from disagg.control.ctl import main as ctl
+
+    job, _, _, cert = keyed
+    base = ["complete", "1+1=", "--run-dir", str(job.run_dir), "--max-tokens", "3", "--json"]
+    assert ctl([*base, "--api-ca", cert]) == 0
+    reply = json.loads(capsys.readouterr().out)
+    assert reply["engine_id"] == 0 and reply["policy_version"] == 1 and isinstance(reply["text"], str)
+
+    monkeypatch.setenv("NOT_THE_KEY", "nope")
+    assert ctl([*base, "--api-ca", cert, "--api-key-env", "NOT_THE_KEY"]) == 1
+    err = capsys.readouterr().err
+    assert "401" in err and "wrong key" in err, err
+    assert ctl(base) == 1  # the engine's certificate is not one the system trusts
+    assert "CERTIFICATE_VERIFY_FAILED" in capsys.readouterr().err

@@ -135,6 +135,8 @@ BAD_STRINGS = {
     "data.prompt_key": "", "logging.project": "", "reward.path": "no_function_here", "transport.dtype": "float7",
     "control.tls_cert": "/nonexistent.pem", "control.tls_key": "/nonexistent.key", "control.tls_ca": "/nonexistent.ca",
     "model.path": "/nonexistent", "resume": "/nonexistent",
+    "rollout.api_key": "sk-a-literal-key", "rollout.api_tls_cert": "/nonexistent.pem",
+    "rollout.api_tls_key": "/nonexistent.key", "rollout.api_tls_ca": "/nonexistent.ca",
 }
 STRINGS_CHECKED_LATER = {
     "reward.name": "the task registry, in `disagg train` before Ray starts (tests/integration/test_cli.py)",

@@ -410,7 +410,7 @@ def test_no_isolation_is_logged_once_and_an_error_when_required(monkeypatch, cap
 
     from disagg.pipeline import RewardWorker
 
-    monkeypatch.setattr("disagg.logs.setup_logging", lambda role, level: None)
+    monkeypatch.setattr("disagg.logs.setup_logging", lambda role, level, actor=False: None)
     with pytest.raises(SandboxError, match="cannot isolate the filesystem"):  # reward.require_sandbox_isolation
         RewardWorker("code_tests", None, 0.0, "INFO", require_sandbox_isolation=True)
 
