@@ -40,7 +40,7 @@ class AgentRunner:
         from disagg.agent.loop import AgentLimits
         from disagg.agent.tools import ToolRegistry
         from disagg.logs import setup_logging
-        from disagg.rollout.tool_parsing import ToolCallParser
+        from disagg.rollout.vllm.tool_parsing import ToolCallParser
 
         setup_logging("agent", log_level, actor=True)
         if require_sandbox_isolation and "python" in cfg.tools:

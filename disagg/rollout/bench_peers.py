@@ -57,11 +57,9 @@ class EnginePeers:
         """A weight update through vLLM's own NCCL engine (after ``peer_use("vllm-nccl")``), as its users
         make one: ``AsyncLLM``'s start, update and finish (each a call into the worker; vLLM's layerwise
         reload)."""
-        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+        from disagg.rollout.vllm import api as vllm_api
 
-        await self._engine.start_weight_update()
-        await self._engine.update_weights(WeightTransferUpdateRequest(update_info=update_info))
-        await self._engine.finish_weight_update()
+        await vllm_api.peer_weight_update(self._engine, update_info)
 
     async def ckpt_init(self, host: str, port: int, rank: int, world_size: int) -> None:
         """``disagg bench vllm-sync --peer checkpoint-engine``: a ParameterServer rank in this actor's process,

@@ -4,7 +4,7 @@ The engine starts on dummy weights and must never answer a request with them:
 every generation waits on ``_weights_loaded``, an event only a completed weight
 sync sets (or, in standalone ``load_format=auto`` mode, the real checkpoint
 load). Weight syncs go through vLLM's native weight-transfer API with the
-``disagg`` backend (``vllm_transfer.py``); the manifest comes from the
+``disagg`` backend (``vllm/transfer.py``); the manifest comes from the
 coordinator, and the engine acknowledges each version it then serves.
 
 What a sync does with requests in flight is ``rollout.in_flight_at_sync``:
@@ -20,9 +20,11 @@ computed (each full block's KV from the weights that fed it, as in keep mode) an
 the new weights prefill only the last, partial block; each ``Completion.pieces``
 says how much KV a piece took over.
 
-vLLM is reached through this module (with its parts ``engine_sync``, the weight receive,
-and ``bench_peers``, the benchmarks' routes), ``vllm_transfer``, ``openai_server`` and
-``tool_parsing``; every difference between vLLM releases lives in ``vllm_api``.
+vLLM is reached through the package ``disagg.rollout.vllm`` (imported here as ``vllm_api``,
+its ``api`` module: every call into vLLM's engine and every difference between its releases;
+``transfer``: the weight receive inside vLLM's workers); this module and its parts
+``engine_sync`` (the weight receive) and ``bench_peers`` (the benchmarks' routes) import vLLM
+itself only where they build its engine and its request types.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from disagg.cluster import freeze_heap, pin_process
 from disagg.config import RolloutConfig, TransportConfig
 from disagg.errors import EngineDeadError, RolloutError
 from disagg.logs import await_logged, setup_logging
-from disagg.rollout import vllm_api
+from disagg.rollout.vllm import api as vllm_api
 from disagg.rollout.bench_peers import EnginePeers
 from disagg.rollout.engine_sync import EngineSync
 from disagg.rollout.types import Completion, GenRequest, GenResult, SamplingSpec
@@ -46,7 +48,7 @@ from disagg.storage import local_copy
 
 log = logging.getLogger("disagg.rollout")
 
-WORKER_EXTENSION = "disagg.rollout.vllm_transfer.DisaggWorkerExtension"
+WORKER_EXTENSION = "disagg.rollout.vllm.transfer.DisaggWorkerExtension"
 
 
 def model_tensor_specs(model_path: str) -> tuple:
@@ -156,11 +158,9 @@ class EngineActor(EngineSync, EnginePeers):
     async def start(self) -> dict[str, Any]:
         """Start AsyncLLM (dummy weights unless load_format=auto). Returns start info."""
         import ray
-        from vllm import AsyncEngineArgs
-        from vllm.v1.engine.async_llm import AsyncLLM
 
         t0 = time.perf_counter()
-        args = AsyncEngineArgs(
+        args = dict(
             model=self.model_path,
             load_format=self.cfg.load_format,
             dtype=self.cfg.dtype,
@@ -179,8 +179,7 @@ class EngineActor(EngineSync, EnginePeers):
             # calls do_log_stats, so they are never printed.
             disable_log_stats=not self.cfg.openai_api,
         )
-        vllm_api.fork_engine_core()
-        self._engine = AsyncLLM.from_engine_args(args)
+        self._engine = vllm_api.start_engine(args)
         # Where each token's weight version can come from: vLLM's labels (0.32), the engine core's
         # counts at each pause (disagg's plugin); keep mode needs one of them.
         self._version_sources = [name for name, has in (
@@ -308,14 +307,12 @@ class EngineActor(EngineSync, EnginePeers):
                              timeout_s: float, signals: str = "store") -> None:
         """Join the transport groups ([host, port, name] each; run concurrently with the trainer's join);
         ``signals``: how their words travel (``transport.signals``, as the driver says)."""
-        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
-
         info = dict(groups=groups, world_size=world_size, rank_offset=rank_offset, backend=backend,
                     timeout_s=timeout_s, source=self.transport_cfg.source,
                     num_buffers=self.transport_cfg.num_buffers, verify=self.transport_cfg.verify,
                     load=self.transport_cfg.load, delta=self.transport_cfg.delta != "off",
                     high_priority=self.transport_cfg.nccl_high_priority, signals=signals)
-        await self._engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info))
+        await vllm_api.init_weight_transfer(self._engine, info)
 
     async def ping(self) -> dict[str, Any]:
         """The driver's health check: vLLM's own (raises once its engine core died) and what it serves."""
@@ -397,18 +394,8 @@ class EngineActor(EngineSync, EnginePeers):
         return GenResult(req.request_id, self.engine_id, list(req.prompt_ids), ordered, low, max(versions, default=low))
 
     def _params(self, s: SamplingSpec, n: int, max_tokens: int, seed: int | None):
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
-        return SamplingParams(
-            n=n, max_tokens=max_tokens, temperature=0.0 if s.greedy else s.temperature,
-            top_p=1.0 if s.greedy else s.top_p, seed=seed, logprobs=0, ignore_eos=s.ignore_eos,
-            flat_logprobs=True,  # the sampled tokens' log-probs in flat lists, not a dict of objects per token
-            detokenize=False,  # token ids are what the trainer and rewards use (decoded once, by the driver)
-            # One output per request when it is done: a request paused across weight updates keeps
-            # its tokens and continues on the new weights, so no per-step output is watched.
-            output_kind=RequestOutputKind.FINAL_ONLY,
-        )
+        return vllm_api.sampling_params(n=n, max_tokens=max_tokens, temperature=0.0 if s.greedy else s.temperature,
+                                        top_p=1.0 if s.greedy else s.top_p, seed=seed, ignore_eos=s.ignore_eos)
 
     async def _run(self, request_id: str, prompt_ids: list[int], params, what: str, salt: int | None = None,
                    start: bool = False):

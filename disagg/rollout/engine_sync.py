@@ -15,7 +15,7 @@ import logging
 import time
 
 from disagg.errors import ChecksumError, RolloutError
-from disagg.rollout import vllm_api
+from disagg.rollout.vllm import api as vllm_api
 from disagg.rollout.types import SyncReport
 
 log = logging.getLogger("disagg.rollout")

@@ -300,7 +300,7 @@ async def start_openai_server(engine, *, model_path: str, served_model_name: str
     """
     import uvicorn
 
-    from disagg.rollout.vllm_api import openai_app_builders, tool_parser_class
+    from disagg.rollout.vllm.api import openai_app_builders, tool_parser_class
 
     access.check()
     build_app, init_app_state, make_arg_parser, FlexibleArgumentParser = openai_app_builders()

@@ -15,7 +15,7 @@ from typing import Any
 from disagg.config import Config
 from disagg.errors import ConfigError
 from disagg.logs import ray_get_logged
-from disagg.rollout import vllm_api
+from disagg.rollout.vllm import api as vllm_api
 from disagg.rollout.types import GenRequest, GenResult
 
 log = logging.getLogger("disagg.rollout")

@@ -25,7 +25,7 @@ class TrainerPeers:
 
     def peer_init(self, host: str, port: int, world_size: int) -> None:
         """``disagg bench vllm-sync --peer vllm-nccl``: vLLM's own NCCL group with the engines (rank 0)."""
-        from disagg.rollout.vllm_transfer import peer_trainer_init
+        from disagg.rollout.vllm.transfer import peer_trainer_init
 
         self._peer = peer_trainer_init(host, port, world_size)
 
@@ -37,7 +37,7 @@ class TrainerPeers:
 
     def peer_send(self) -> dict[str, Any]:
         """Send the parameters (in ``transport.dtype``) through vLLM's own NCCL engine; the send's seconds."""
-        from disagg.rollout.vllm_transfer import peer_trainer_send
+        from disagg.rollout.vllm.transfer import peer_trainer_send
 
         params = [(n, p.detach()) for n, p in self.model.named_parameters()]
         t0 = time.perf_counter()

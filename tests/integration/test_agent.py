@@ -141,7 +141,7 @@ def _run(coro):
 
 def _trajectories(job, fmt, tools, sessions: list[str], llm, seed: int = 0):
     from disagg.agent.loop import AgentLimits, run_trajectory
-    from disagg.rollout.tool_parsing import ToolCallParser
+    from disagg.rollout.vllm.tool_parsing import ToolCallParser
     from disagg.tasks.calculator import make_row
     import random
 
@@ -240,7 +240,7 @@ def test_malformed_tool_calls_become_tool_error_messages(fmt, tools):
     error messages in the conversation; the trajectory goes on to its answer."""
     from disagg.agent.client import TurnOutput
     from disagg.agent.loop import AgentLimits, run_trajectory
-    from disagg.rollout.tool_parsing import ToolCallParser
+    from disagg.rollout.vllm.tool_parsing import ToolCallParser
 
     script = ['<tool_call>{"name": "calculator", "arguments": {"expression": </tool_call>',
               '<tool_call>{"name": "abacus", "arguments": {"x": "1"}}</tool_call>',

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from disagg.rollout.vllm_api import sampled_logprobs as _sampled_logprobs
+from disagg.rollout.vllm.api import sampled_logprobs as _sampled_logprobs
 
 
 def _positions(ids, lps, extra=None):

@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from disagg.rollout.vllm_transfer import resolve_load_mode  # noqa: E402
+from disagg.rollout.vllm.transfer import resolve_load_mode  # noqa: E402
 
 
 def test_auto_loads_directly_on_gpus_and_layerwise_on_cpu_or_when_quantised():

@@ -11,7 +11,7 @@ import tomllib
 import zipfile
 from pathlib import Path
 
-from disagg.rollout.vllm_api import SUPPORTED_VLLM
+from disagg.rollout.vllm.api import SUPPORTED_VLLM
 
 ROOT = Path(__file__).resolve().parents[2]
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]

@@ -100,3 +100,31 @@ def test_a_reward_or_agent_worker_process_imports_neither_torch_nor_vllm():
             "p.Pipeline; print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.split("\n")[:2] == ["[]", "True"], out.stdout + out.stderr  # the loop itself does import it
+
+
+ENGINE_PACKAGES = {"vllm": "rollout/vllm/"}
+"""Each inference engine's own package in disagg: the only code that imports it (issue 59's seam)."""
+HARNESS = "bench/"
+"""The benchmarks' harness may import an engine too: its plugin runs inside other frameworks' vLLM."""
+
+
+def _engine_imports() -> list[tuple[str, int, str]]:
+    found = []
+    for path in ROOT.rglob("*.py"):
+        rel = path.relative_to(ROOT).as_posix()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                mods = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                mods = [node.module or ""]
+            else:
+                continue
+            for mod in mods:
+                engine = mod.split(".")[0]
+                if engine in ENGINE_PACKAGES and not rel.startswith((ENGINE_PACKAGES[engine], HARNESS)):
+                    found.append((rel, node.lineno, mod))
+    return found
+
+
+def test_only_an_engines_own_package_imports_the_engine():
+    assert _engine_imports() == [], "import vLLM only in disagg/rollout/vllm/ (its calls go in api.py)"

@@ -8,7 +8,7 @@ import pytest
 
 from disagg.errors import ConfigError, RolloutError
 from disagg.rollout.engine import cut_versions
-from disagg.rollout.vllm_api import has_output_counts, resolve_in_flight_mode, sample_of, token_versions
+from disagg.rollout.vllm.api import has_output_counts, resolve_in_flight_mode, sample_of, token_versions
 
 
 def test_token_versions_come_from_the_engine_weight_version_spans():
@@ -85,7 +85,7 @@ def test_a_kept_response_takes_each_version_from_its_count_at_each_pause():
 
 def test_a_tool_parser_vllm_does_not_have_is_a_config_error_naming_the_key_and_the_known_ones():
     pytest.importorskip("vllm")
-    from disagg.rollout.vllm_api import tool_parser, tool_parser_class
+    from disagg.rollout.vllm.api import tool_parser, tool_parser_class
 
     cls, request = tool_parser("hermes", [{"type": "function", "function": {"name": "calc", "parameters": {}}}])
     assert hasattr(cls, "extract_tool_calls") and request.tools[0].function.name == "calc"
@@ -101,7 +101,7 @@ QUICK_EXIT = r"""
 import atexit, os, sys
 from pathlib import Path
 from vllm.v1.engine import core
-from disagg.rollout.vllm_api import install_quick_exit
+from disagg.rollout.vllm.api import install_quick_exit
 install_quick_exit()
 install_quick_exit()  # once only: vLLM calls the plugin in every process, maybe more than once
 for case, (state, code) in enumerate([("SHUTTING_DOWN", 0), ("SHUTTING_DOWN", 3), ("RUNNING", 0)]):
@@ -143,7 +143,7 @@ def test_on_cpu_the_engine_core_is_forked_and_the_start_method_is_read_from_its_
 
     from vllm.v1.engine import utils as engine_utils
 
-    from disagg.rollout.vllm_api import engine_core_start, fork_engine_core
+    from disagg.rollout.vllm.api import engine_core_start, fork_engine_core
 
     monkeypatch.setattr(engine_utils, "get_mp_context", engine_utils.get_mp_context)  # restored after
     fork_engine_core()

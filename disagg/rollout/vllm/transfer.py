@@ -3,7 +3,7 @@
 vLLM creates this engine inside the process that holds the model (worker or
 EngineCore) when started with ``weight_transfer_config={"backend": "disagg"}``;
 the ``vllm.general_plugins`` entry point in pyproject.toml registers it in
-every vLLM process (``vllm_plugin.register``). Receiving goes through ``disagg.transport.receiver`` - the
+every vLLM process (``plugin.register``). Receiving goes through ``disagg.transport.receiver`` - the
 same unpacking as every other receiver - and loads in one of two ways
 (``transport.load``):
 
@@ -45,7 +45,7 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTr
 
 from disagg.errors import ChecksumError, DeltaRefused, SyncCancelled
 from disagg.logs import traced
-from disagg.rollout import vllm_api
+from disagg.rollout.vllm import api as vllm_api
 from disagg.transport.buckets import PartLoader
 from disagg.transport.copyplan import BucketReplay, CopyPlan, Recorded, learn
 from disagg.transport.delta import DeltaImage

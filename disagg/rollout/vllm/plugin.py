@@ -11,9 +11,9 @@ BACKEND_NAME = "disagg"
 
 
 def register() -> None:
-    from disagg.rollout.vllm_api import install_output_counts, install_quick_exit, register_transfer_backend
+    from disagg.rollout.vllm.api import install_output_counts, install_quick_exit, register_transfer_backend
 
-    register_transfer_backend(BACKEND_NAME, "disagg.rollout.vllm_transfer", "DisaggWeightTransferEngine")
+    register_transfer_backend(BACKEND_NAME, "disagg.rollout.vllm.transfer", "DisaggWeightTransferEngine")
     try:  # the engine core's count of each request's tokens, asked at keep-mode pauses
         install_output_counts()
     except Exception as e:  # noqa: BLE001 - never stop vLLM from starting: a keep-mode sync then names it

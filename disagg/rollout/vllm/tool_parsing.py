@@ -6,7 +6,7 @@ the engine would see it. What the parser cannot read (bad JSON, a call without
 a name) is reported as a malformed call, which the agent loop turns into a tool
 error message in the conversation.
 
-This module imports vLLM (with ``engine.py`` and ``vllm_transfer.py`` the only ones).
+This module imports vLLM (``disagg.rollout.vllm`` holds every module that does).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class ToolCallParser:
     """``parse(text) -> ParsedTurn`` with vLLM's registered parser ``name``."""
 
     def __init__(self, name: str, tokenizer, tools: list[dict]) -> None:
-        from disagg.rollout import vllm_api
+        from disagg.rollout.vllm import api as vllm_api
 
         cls, self._request = vllm_api.tool_parser(name, tools)
         self._tokenizer, self._cls = tokenizer, cls

@@ -20,7 +20,7 @@ OpenAI server and the weight-transfer backend call the functions here:
 - The OpenAI app's builders: ``vllm.entrypoints.launchers`` (0.32) or
   ``vllm.entrypoints.openai`` (0.26).
 - ``WeightTransferEngine.trainer_send_weights`` is abstract in 0.26: the backend
-  defines it (``vllm_transfer``).
+  defines it (``transfer``).
 
 And what disagg reads of vLLM's inner structure, the same in both (checked on 0.26.0 and
 0.32.0), kept here so that an upgrade that moves it breaks in this module only:
@@ -480,3 +480,45 @@ def end_layerwise_reload(model, model_config) -> None:
     for module in model.modules():
         if isinstance(module, VocabParallelEmbedding):
             module.quant_method.process_weights_after_loading(module)
+
+
+def start_engine(args: dict[str, Any]):
+    """vLLM's ``AsyncLLM`` from ``AsyncEngineArgs(**args)`` (its engine core forked where that is
+    safe: ``fork_engine_core``)."""
+    from vllm import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    engine_args = AsyncEngineArgs(**args)
+    fork_engine_core()
+    return AsyncLLM.from_engine_args(engine_args)
+
+
+async def init_weight_transfer(engine, info: dict[str, Any]) -> None:
+    """Every worker of ``engine`` joins disagg's transport groups (``transfer.DisaggInitInfo``)."""
+    from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+    await engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info))
+
+
+def sampling_params(*, n: int, max_tokens: int, temperature: float, top_p: float, seed: int | None,
+                    ignore_eos: bool):
+    """vLLM's ``SamplingParams`` as disagg asks every generation: each sampled token's log-prob in flat
+    lists, token ids only (decoded once, by the driver), one output per request when it is done (a
+    request paused across weight updates keeps its tokens and continues on the new weights, so no
+    per-step output is watched)."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, logprobs=0,
+                          ignore_eos=ignore_eos, flat_logprobs=True, detokenize=False,
+                          output_kind=RequestOutputKind.FINAL_ONLY)
+
+
+async def peer_weight_update(engine, update_info: dict[str, Any]) -> None:
+    """A weight update through the engine's configured vLLM weight-transfer engine, as vLLM's users
+    make one: start, update, finish (each a call into the workers)."""
+    from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+    await engine.start_weight_update()
+    await engine.update_weights(WeightTransferUpdateRequest(update_info=update_info))
+    await engine.finish_weight_update()
