@@ -86,21 +86,7 @@ def run(cfg: Config, run_dir: Path) -> Path:
 
     faults.arm_from_env()
     get_reward(cfg.reward.name, cfg.reward.path)  # an unknown reward: a ConfigError (exit 2) before Ray starts
-    resume = load_resume(cfg) if cfg.resume else None
-    if resume is not None:
-        if resume.run_dir is None:
-            log.info("the run directory of %s is not on this machine: the resumed run goes on in %s",
-                     resume.checkpoint, run_dir)
-        run_dir = resume.run_dir or run_dir
-        log.info("resuming the run in %s from %s (step %d, policy version %d)", run_dir, resume.checkpoint,
-                 resume.step, resume.policy_version)
-    cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer,
-                                                               checkpoint_dir=_checkpoint_dir(cfg, run_dir, resume)))
-    run_dir.mkdir(parents=True, exist_ok=True)
-    log.info("run directory: %s; checkpoints: %s", run_dir,
-             cfg.trainer.checkpoint_dir or default_checkpoint_dir(run_dir))
-    changes = _config_changes(run_dir, cfg) if resume else {}
-    (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+    cfg, run_dir, resume, changes = _plan_run(cfg, run_dir)
     # A checkpoint is a complete model directory: the trainer loads its weights, the engines its
     # architecture and tokenizer (they start on dummy weights either way), each from its node's copy.
     model_path = resume.checkpoint if resume else prepare_model(cfg)
@@ -165,6 +151,28 @@ def run(cfg: Config, run_dir: Path) -> Path:
     log.info("reward: first 10%% of steps %.3f, last 10%% %.3f (%d steps)", summary["first_10pct"],
              summary["last_10pct"], summary["steps"])
     return run_dir
+
+
+def _plan_run(cfg: Config, run_dir: Path) -> tuple[Config, Path, ResumePoint | None, dict[str, list]]:
+    """Before anything starts: the checkpoint ``cfg.resume`` names (checked: ``load_resume``), the run
+    directory the run goes on in, the config with its checkpoint directory, written there as
+    ``config.json``, and the keys a resume changed."""
+    resume = load_resume(cfg) if cfg.resume else None
+    if resume is not None:
+        if resume.run_dir is None:
+            log.info("the run directory of %s is not on this machine: the resumed run goes on in %s",
+                     resume.checkpoint, run_dir)
+        run_dir = resume.run_dir or run_dir
+        log.info("resuming the run in %s from %s (step %d, policy version %d)", run_dir, resume.checkpoint,
+                 resume.step, resume.policy_version)
+    cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer,
+                                                               checkpoint_dir=_checkpoint_dir(cfg, run_dir, resume)))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    log.info("run directory: %s; checkpoints: %s", run_dir,
+             cfg.trainer.checkpoint_dir or default_checkpoint_dir(run_dir))
+    changes = _config_changes(run_dir, cfg) if resume else {}
+    (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+    return cfg, run_dir, resume, changes
 
 
 def _checkpoint_dir(cfg: Config, run_dir: Path, resume: ResumePoint | None) -> str | None:

@@ -146,7 +146,7 @@ class TrainerPush:
         """
         from disagg.errors import SyncCancelled
         from disagg.transport.sender import EarlyPack
-        from disagg.transport.sync import ARM_SEND, arm_key, go_key, send_model
+        from disagg.transport.sync import ARM_SEND, arm_key, send_model
 
         m = self._layout().with_version(policy_version)
         if not from_snapshot and self._params is None:  # parameters are updated in place from here on
@@ -154,46 +154,12 @@ class TrainerPush:
         out: dict[str, Any] = {"rank": self.rank}
         clock = {"t0": time.perf_counter(), "wall0": time.time()}
         memory: dict[str, int] = {}
-
-        def mark_memory() -> None:  # what the push allocates beyond this, at its peak: peak_extra_bytes
-            if self.device.type == "cuda" and not from_snapshot:
-                torch.cuda.reset_peak_memory_stats(self.device)
-                memory["base"] = allocated_bytes(self.device)[0]
-
-        go = None
-        if go_timeout_s is not None and self.group is not None:
-            def go() -> None:
-                """The driver's word, waited for once the send is set up (its buckets planned, its
-                header on the device): the wire starts right after it. Called off: nothing is sent."""
-                self._go_waiting.set()  # (set up: params_final(wait_s) may go on)
-                t_wait = time.perf_counter()
-                try:
-                    said = self.group.await_signal(go_key(arm_id), go_timeout_s, f"the driver's go for version "
-                                                   f"{policy_version}")
-                except BaseException:
-                    with contextlib.suppress(Exception):  # the engines need not wait out their own timeouts
-                        self.disarm(arm_id)
-                    raise
-                out["go_wait_s"] = time.perf_counter() - t_wait
-                if said != ARM_SEND:
-                    raise SyncCancelled(said)
-                clock.update(t0=time.perf_counter(), wall0=time.time())
-                # No allocator statistics read here (``peak_extra_bytes`` is a push's that is not armed):
-                # they cost ~0.2 ms between the word and the header, and the step that trained
-                # meanwhile would count in the peak.
-
+        go = (self._armed_go(policy_version, arm_id, go_timeout_s, out, clock)
+              if go_timeout_s is not None and self.group is not None else None)
         image = self.delta_image
         if image is not None and image.version is not None and policy_version <= image.version:
             image.invalidate()  # sent again after a failure: an engine may hold something else, so dense
-
-        chooser = self.delta_chooser
-        forced, self._next_kind = self._next_kind, None
-        if forced is not None:  # a benchmark's choice (next_push_as)
-            dense, estimate = forced == "dense", False
-        else:
-            dense = chooser is not None and not chooser.delta_next()
-            estimate = dense and chooser.estimating  # (a dense sync that times one bucket's encoding as a delta)
-
+        forced, dense, estimate = self._push_kind()
         # An armed push from the live parameters: the train step that ends meanwhile packs its first
         # buckets (TrainerWorker.train_step -> EarlyPack.params_final) before the driver's word.
         early = EarlyPack() if go is not None and not from_snapshot else None
@@ -205,7 +171,7 @@ class TrainerPush:
                               dense=dense, estimate=estimate, go=go, early=early, header_first=go is not None)
 
         if arm_id and go_timeout_s is None and self.group is not None:
-            # (an armed push's go woke the engines too: Job._go sets both words)
+            # (an armed push's go woke the engines too: WeightSync._go sets both words)
             self.group.signal(arm_key(arm_id), ARM_SEND)  # the header follows at once
         self._early = early
         try:
@@ -213,8 +179,9 @@ class TrainerPush:
                 stats = self._send_snapshot(policy_version, send)
                 out["snapshot"] = True
             else:
-                if go is None:
-                    mark_memory()
+                if go is None and self.device.type == "cuda":  # what the push allocates beyond this, at its peak
+                    torch.cuda.reset_peak_memory_stats(self.device)
+                    memory["base"] = allocated_bytes(self.device)[0]
                 stats = send(self._params)
                 if "base" in memory:
                     out["peak_extra_bytes"] = allocated_bytes(self.device)[1] - memory["base"]
@@ -227,19 +194,64 @@ class TrainerPush:
                 self._early = None
             self._go_waiting.clear()
         out.update(seconds=time.perf_counter() - clock["t0"], bytes=0, num_buckets=0)
-        if stats is not None and chooser is not None:
-            chooser.record(stats.delta_base != 0, stats.seconds, stats.bytes / max(1, stats.dense_bytes),
-                           estimate=stats.estimate)
-        if stats is not None:
-            out.update(bytes=stats.dense_bytes, wire_bytes=stats.bytes, send_s=stats.seconds,
-                       num_buckets=stats.num_buckets, group_bytes_sent=self.group.bytes_sent,
-                       early_buckets=stats.early_buckets,
-                       trainer_header_unix_s=stats.header_unix_s, delta_base=stats.delta_base,
-                       changed_fraction=stats.changed_fraction,
-                       **{f"trainer_{k}_unix_s": v for k, v in stats.stamps.items()})
+        self._report_push(out, stats)
         out.update(trainer_in_unix_s=clock["wall0"], trainer_out_unix_s=time.time())
         self._timeline.append(("push", policy_version, clock["wall0"], out["trainer_out_unix_s"]))
         return out
+
+    def _armed_go(self, policy_version: int, arm_id: int, go_timeout_s: float, out: dict[str, Any],
+                  clock: dict[str, float]):
+        """An armed push's wait for the driver's word, called by the send once it is set up (its
+        buckets planned, its header on the device): the wire starts right after it. Called off:
+        nothing is sent (``SyncCancelled``). Its wait goes into ``out["go_wait_s"]``, and the push's
+        clock restarts at the word."""
+        from disagg.errors import SyncCancelled
+        from disagg.transport.sync import ARM_SEND, go_key
+
+        def go() -> None:
+            self._go_waiting.set()  # (set up: params_final(wait_s) may go on)
+            t_wait = time.perf_counter()
+            try:
+                said = self.group.await_signal(go_key(arm_id), go_timeout_s, f"the driver's go for version "
+                                               f"{policy_version}")
+            except BaseException:
+                with contextlib.suppress(Exception):  # the engines need not wait out their own timeouts
+                    self.disarm(arm_id)
+                raise
+            out["go_wait_s"] = time.perf_counter() - t_wait
+            if said != ARM_SEND:
+                raise SyncCancelled(said)
+            clock.update(t0=time.perf_counter(), wall0=time.time())
+            # No allocator statistics read here (``peak_extra_bytes`` is a push's that is not armed):
+            # they cost ~0.2 ms between the word and the header, and the step that trained
+            # meanwhile would count in the peak.
+
+        return go
+
+    def _push_kind(self) -> tuple[str | None, bool, bool]:
+        """(a benchmark's forced kind, or None; dense; estimate): a benchmark's choice (``next_push_as``),
+        else ``transport.delta``'s chooser's (``estimate``: a dense sync that times one bucket's
+        encoding as a delta); without a chooser, what the sender's image allows."""
+        forced, self._next_kind = self._next_kind, None
+        if forced is not None:
+            return forced, forced == "dense", False
+        chooser = self.delta_chooser
+        dense = chooser is not None and not chooser.delta_next()
+        return None, dense, dense and chooser.estimating
+
+    def _report_push(self, out: dict[str, Any], stats) -> None:
+        """A finished push's figures into ``out``, and its cost to ``transport.delta=auto``'s chooser."""
+        if stats is None:
+            return
+        if self.delta_chooser is not None:
+            self.delta_chooser.record(stats.delta_base != 0, stats.seconds, stats.bytes / max(1, stats.dense_bytes),
+                                      estimate=stats.estimate)
+        out.update(bytes=stats.dense_bytes, wire_bytes=stats.bytes, send_s=stats.seconds,
+                   num_buckets=stats.num_buckets, group_bytes_sent=self.group.bytes_sent,
+                   early_buckets=stats.early_buckets,
+                   trainer_header_unix_s=stats.header_unix_s, delta_base=stats.delta_base,
+                   changed_fraction=stats.changed_fraction,
+                   **{f"trainer_{k}_unix_s": v for k, v in stats.stamps.items()})
 
     def params_final(self, wait_s: float = 0.0) -> bool:
         """The parameters hold the next version now: what the end of a train step does for an armed
