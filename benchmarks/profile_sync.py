@@ -33,7 +33,7 @@ def worker(rank: int, args, port: int, out_dir: str) -> None:
     from disagg.bench.workers import build_model, flat_bytes
     from disagg.transport import group as G
     from disagg.transport.buckets import flatten_parameters
-    from disagg.transport.sync import model_manifest, receive_model, send_model
+    from disagg.transport.model_transfer import model_manifest, receive_model, send_model
     from disagg.transport.sender import WeightSender
 
     cuda = torch.cuda.is_available()

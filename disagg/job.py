@@ -18,7 +18,7 @@ from pathlib import Path
 from disagg.cluster import Pools, connect, create_pools
 from disagg.config import Config, resolve_backend, resolve_device, shares_gpus
 from disagg.rollout.pool import RolloutPool
-from disagg.trainer.group import TrainerGroup
+from disagg.trainer.pool import TrainerGroup
 from disagg.weightsync import ArmedReceive, PendingSync, SyncStats, WeightSync, sync_stats
 
 __all__ = ["Job", "PendingSync", "SyncStats"]

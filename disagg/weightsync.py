@@ -7,7 +7,7 @@ words to it (``transport.signals``), the last sync's end-to-end time - and has a
 ``build`` the groups, ``arm`` the engines' (and the trainer's) side before the version exists,
 ``disarm``, ``start`` a sync (announce, then the word or the pushes), ``finish`` it (acks, the
 coordinator's commit, ``SyncStats``). The trainer's side is ``trainer/push.py``, the engines'
-``rollout/engine_sync.py``, the wire ``transport/``; ``Job`` owns one ``WeightSync`` and hands its
+``rollout/engine_receive.py``, the wire ``transport/``; ``Job`` owns one ``WeightSync`` and hands its
 verbs on. No parameter byte passes through the driver: it only announces, signals and waits.
 """
 
@@ -112,7 +112,7 @@ class WeightSync:
 
     def build(self) -> None:
         """(Re)build the transport groups: one per sending trainer rank, each with every engine worker."""
-        from disagg.transport.sync import source_groups_needed
+        from disagg.transport.model_transfer import source_groups_needed
 
         self.disarm()  # an armed receive waits on the group being replaced
         if self._signals is not None:
@@ -208,7 +208,7 @@ class WeightSync:
         timeout_s = self.cfg.transport.timeout_s if timeout_s is None else timeout_s
         try:
             if armed.pushes:  # the trainer's armed push calls the engines' receives off itself
-                from disagg.transport.sync import ARM_CANCEL
+                from disagg.transport.model_transfer import ARM_CANCEL
 
                 self._go(armed, ARM_CANCEL)
             else:
@@ -225,7 +225,7 @@ class WeightSync:
         through each group's store: the trainer's armed pushes (``go_key``) and the engines' armed
         receives (``arm_key``), so that the engines wake beside the trainer rather than one store hop
         after it. A store that is gone means its trainer rank died: its push's ref says so."""
-        from disagg.transport.sync import arm_key, go_key
+        from disagg.transport.model_transfer import arm_key, go_key
 
         for failed in self._signals.signal({go_key(armed.arm_id): word, arm_key(armed.arm_id): word}):
             log.warning("armed push %d: could not say %r (%s)", armed.arm_id, word, failed)
@@ -259,7 +259,7 @@ class WeightSync:
             raise
         self.armed = None
         if armed is not None and armed.pushes:  # every party waits on the group: the driver's word starts it
-            from disagg.transport.sync import ARM_SEND
+            from disagg.transport.model_transfer import ARM_SEND
 
             self._go(armed, ARM_SEND)
             pushes, receives = armed.pushes, armed.refs

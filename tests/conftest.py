@@ -58,7 +58,7 @@ def rank_processes():
 
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed", "disagg.transport.sender", "disagg.transport.receiver",
-                                "disagg.transport.sync", "tests.integration.test_transport_gloo",
+                                "disagg.transport.model_transfer", "tests.integration.test_transport_gloo",
                                 "tests.integration.test_sync_modes"])
     return ctx
 

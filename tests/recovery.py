@@ -93,7 +93,7 @@ def buckets_per_sync(overrides: list[str]) -> int:
 
     from disagg.config import load_config
     from disagg.model.tiny import build_model
-    from disagg.transport.sync import model_manifest
+    from disagg.transport.model_transfer import model_manifest
 
     configs = Path(__file__).resolve().parents[1] / "configs"
     with initialize_config_dir(config_dir=str(configs), version_base="1.3"):

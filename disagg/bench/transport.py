@@ -154,7 +154,7 @@ class _Bench:
         manifest = self._get(rank0.build_manifest.remote(bucket_bytes), "the manifest")
         self._get([a.set_manifest.remote(manifest) for a in self.trainers + self.receivers], "handing out the manifest")
 
-        from disagg.transport.sync import source_groups_needed
+        from disagg.transport.model_transfer import source_groups_needed
 
         for r in range(source_groups_needed(self.opts.source, len(self.trainers))):
             self._join(r)
@@ -243,7 +243,7 @@ def _resolve_device(opts: BenchOptions) -> str:
 
 def _validate(opts: BenchOptions) -> None:
     from disagg.bench.shapes import SHAPES
-    from disagg.transport.sync import SOURCES
+    from disagg.transport.model_transfer import SOURCES
 
     if opts.shape not in SHAPES:
         raise ValueError(f"--shape {opts.shape!r} is not one of {', '.join(SHAPES)}")

@@ -7,7 +7,7 @@ the model's size, whose per-parameter views serve the baselines (one raw
 broadcast, one broadcast per parameter, the object store), so every baseline
 moves exactly the manifest's bytes and shapes without touching the model.
 
-Transport groups follow ``disagg.transport.sync``: source group r has trainer
+Transport groups follow ``disagg.transport.model_transfer``: source group r has trainer
 rank r as its rank 0 and receiver j as rank 1 + j; gather mode uses group 0
 only, shards mode one group per trainer rank. The baselines run on group 0.
 Each timed loop starts every iteration with a barrier of the groups it uses
@@ -199,7 +199,7 @@ class BenchTrainer(_Member):
 
     def build_manifest(self, bucket_bytes: int) -> dict:
         """The full-tensor manifest of the model (global shapes under FSDP; no data is read)."""
-        from disagg.transport.sync import model_manifest
+        from disagg.transport.model_transfer import model_manifest
 
         return model_manifest(self.model, bucket_bytes, policy_version=1, dtype=None).to_dict()
 
@@ -212,7 +212,7 @@ class BenchTrainer(_Member):
         self.sender = WeightSender(self.group, 0, self.num_buffers, self.verify, device=self.device)
 
     def _send(self) -> None:
-        from disagg.transport.sync import send_model
+        from disagg.transport.model_transfer import send_model
 
         if self.params is None:  # as the trainer does: made once, parameters updated in place
             self.params = dict(self.model.named_parameters())
@@ -310,7 +310,7 @@ class BenchReceiver(_Member):
 
     def _receive(self, load: bool) -> None:
         from disagg.transport.receiver import TorchModelReceiver
-        from disagg.transport.sync import receive_model
+        from disagg.transport.model_transfer import receive_model
 
         load_fn = TorchModelReceiver.load_into_module(self.model) if load else _discard
         receive_model(self.groups, self.manifest, load_fn, device=self.device, source=self.source,

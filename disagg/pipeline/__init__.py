@@ -19,7 +19,7 @@ Where things are (docs/design.md, "The loop", has the picture):
 - ``fleet.EngineFleet``: engine membership, load, health, deaths, scaling;
 - ``rewards.RewardDispatch``: the reward workers and the groups being scored;
 - ``train_step.TrainStep``: the train step in flight and its refs;
-- ``sync.SyncController``: the pending sync, snapshots, retries and rebuilds;
+- ``sync_control.SyncController``: the pending sync, snapshots, retries and rebuilds;
 - ``recorder.StepRecorder``: a step's timings and metrics, and the run's totals made from the
   counts each owner keeps of its own events.
 """

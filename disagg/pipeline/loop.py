@@ -23,7 +23,7 @@ from disagg.pipeline.generation import Generation
 from disagg.pipeline.recorder import StepRecord, StepRecorder
 from disagg.pipeline.rewards import RewardDispatch
 from disagg.pipeline.scheduler import Group, GroupScheduler
-from disagg.pipeline.sync import SyncController
+from disagg.pipeline.sync_control import SyncController
 from disagg.pipeline.train_step import TrainStep
 from disagg.rollout.types import SamplingSpec
 from disagg.samples import TrainSample

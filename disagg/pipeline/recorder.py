@@ -90,7 +90,7 @@ class StepRecorder:
 
     # ---- a step's metrics --------------------------------------------------------------------
     def step_done(self, record: StepRecord, sync, now: float, run: dict[str, Any]) -> dict[str, Any]:
-        """``record``'s metrics, its weights synced by ``sync`` (``Job.SyncStats``) at ``now``; ``run``
+        """``record``'s metrics, its weights synced by ``sync`` (``weightsync.SyncStats``) at ``now``; ``run``
         holds the run's totals (counters: prompts drawn and lost, engines, drops, ...)."""
         step_s = now - self.t_last
         samples = [s for g in record.groups for s in g.samples]

@@ -23,7 +23,7 @@ says how much KV a piece took over.
 vLLM is reached through the package ``disagg.rollout.vllm`` (imported here as ``vllm_api``,
 its ``api`` module: every call into vLLM's engine and every difference between its releases;
 ``transfer``: the weight receive inside vLLM's workers); this module and its parts
-``engine_sync`` (the weight receive) and ``bench_peers`` (the benchmarks' routes) import vLLM
+``engine_receive`` (the weight receive) and ``bench_peers`` (the benchmarks' routes) import vLLM
 itself only where they build its engine and its request types.
 """
 
@@ -42,7 +42,7 @@ from disagg.errors import EngineDeadError, RolloutError
 from disagg.logs import await_logged, setup_logging
 from disagg.rollout.vllm import api as vllm_api
 from disagg.rollout.bench_peers import EnginePeers
-from disagg.rollout.engine_sync import EngineSync
+from disagg.rollout.engine_receive import EngineSync
 from disagg.rollout.types import Completion, GenRequest, GenResult, SamplingSpec
 from disagg.storage import local_copy
 
@@ -88,7 +88,7 @@ def cut_versions(request_id: str, start: int, cuts: list[tuple[int, int]], num_t
 
 class EngineActor(EngineSync, EnginePeers):
     """A vLLM engine behind a weights-loaded gate. Wrapped with ``ray.remote`` by the pool. Its weight
-    receive is ``EngineSync``'s (``rollout/engine_sync.py``); the benchmarks' routes ``EnginePeers``'.
+    receive is ``EngineSync``'s (``rollout/engine_receive.py``); the benchmarks' routes ``EnginePeers``'.
     Over 400 lines on purpose: a request's life in vLLM (submitted, kept or resubmitted across syncs,
     cut into versions) is one concern, and its methods share the request state kept here."""
 

@@ -52,7 +52,7 @@ class TrainerPush:
 
     def _layout(self):
         """The full-tensor manifest, planned at the first call (version 0; its layout never changes)."""
-        from disagg.transport.sync import model_manifest
+        from disagg.transport.model_transfer import model_manifest
 
         if self._manifest is None:
             cfg = self.transport_cfg
@@ -66,7 +66,7 @@ class TrainerPush:
     def _push_layout(self):
         """The manifest this rank's pushes send (its shards' under source=shards): a snapshot is laid
         out as its buckets, so that the push sends views of it."""
-        from disagg.transport.sync import source_manifests
+        from disagg.transport.model_transfer import source_manifests
 
         if self._push_manifest is None:
             full = self._layout()
@@ -146,7 +146,7 @@ class TrainerPush:
         """
         from disagg.errors import SyncCancelled
         from disagg.transport.sender import EarlyPack
-        from disagg.transport.sync import ARM_SEND, arm_key, send_model
+        from disagg.transport.model_transfer import ARM_SEND, arm_key, send_model
 
         m = self._layout().with_version(policy_version)
         if not from_snapshot and self._params is None:  # parameters are updated in place from here on
@@ -206,7 +206,7 @@ class TrainerPush:
         nothing is sent (``SyncCancelled``). Its wait goes into ``out["go_wait_s"]``, and the push's
         clock restarts at the word."""
         from disagg.errors import SyncCancelled
-        from disagg.transport.sync import ARM_SEND, go_key
+        from disagg.transport.model_transfer import ARM_SEND, go_key
 
         def go() -> None:
             self._go_waiting.set()  # (set up: params_final(wait_s) may go on)
@@ -274,7 +274,7 @@ class TrainerPush:
 
     def disarm(self, arm_id: int) -> None:
         """Call off the engines' armed receive ``arm_id``: they return without receiving anything."""
-        from disagg.transport.sync import ARM_CANCEL, arm_key
+        from disagg.transport.model_transfer import ARM_CANCEL, arm_key
 
         if self.group is not None:
             self.group.signal(arm_key(arm_id), ARM_CANCEL)

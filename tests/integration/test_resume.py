@@ -165,7 +165,7 @@ def test_a_checkpoint_of_two_fsdp_workers_resumes_in_one(ray_session, model_cach
 
     from disagg.model.warmstart import prepare_model
     from disagg.samples import TrainSample
-    from disagg.trainer.group import TrainerGroup
+    from disagg.trainer.pool import TrainerGroup
 
     samples = [TrainSample([1, 5 + i, 9], [7, 8 + i, 6, 2], [-2.0, -2.5, -1.0, -3.0], 1.0 if i % 2 else -1.0, 0.0, 1)
                for i in range(8)]

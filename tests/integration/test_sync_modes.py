@@ -62,7 +62,7 @@ def _trainer(rank: int, world: int, receivers: int, ports: list[int], fsdp_port:
              corrupt: bool, backend: str, out: mp.Queue, started, overlap: bool = False, delta: bool = False,
              first_bucket_bytes: int = 0, high_priority: bool = False) -> None:
     from disagg.transport.group import create_group
-    from disagg.transport.sync import model_manifest, send_model, source_groups_needed
+    from disagg.transport.model_transfer import model_manifest, send_model, source_groups_needed
 
     device = _device(backend, rank)
     torch.manual_seed(0)
@@ -115,7 +115,7 @@ def _send_two_versions_as_deltas(net, group, full, source, rank, world, sender):
     """transport.delta: version 5 (dense: nothing held yet), then every 37th element of every local
     shard moved and version 6 sent as a delta; the full weights of 6 and its send's figures."""
     from disagg.transport.delta import DeltaImage
-    from disagg.transport.sync import send_model
+    from disagg.transport.model_transfer import send_model
 
     image = DeltaImage(next(net.parameters()).device)
     send_model(group, net, full, source=source, trainer_rank=rank, num_trainer_ranks=world, num_buffers=2,
@@ -138,7 +138,7 @@ def _send_snapshot_while_training(net, group, full, source, rank, world, sender,
     import threading
 
     from disagg.trainer.snapshot import Snapshots
-    from disagg.transport.sync import send_model, source_manifests
+    from disagg.transport.model_transfer import send_model, source_manifests
 
     local = {n: (p.detach().to_local() if hasattr(p, "to_local") else p.detach()) for n, p in net.named_parameters()}
     # laid out as this rank's push sends it (TrainerWorker._push_layout): every bucket a view of it
@@ -183,7 +183,7 @@ def _receiver(index: int, receivers: int, num_groups: int, ports: list[int], sou
     from disagg.errors import ChecksumError
     from disagg.transport.group import create_group
     from disagg.transport.receiver import TorchModelReceiver
-    from disagg.transport.sync import model_manifest, receive_model
+    from disagg.transport.model_transfer import model_manifest, receive_model
 
     device = _device(backend, first_device + index)
     net = _Net()
@@ -233,7 +233,7 @@ def _run(trainers: int, source: str, corrupt: bool = False, backend: str = "gloo
     and collect their reports. ``first_bucket_bytes``: the buckets ramp from it (``plan_buckets``).
     ``high_priority``: NCCL groups on streams of the highest priority (``transport.nccl_high_priority``)."""
     from disagg.transport.group import pick_free_port
-    from disagg.transport.sync import source_groups_needed
+    from disagg.transport.model_transfer import source_groups_needed
 
     ctx = rank_processes()
     out = ctx.Queue()
@@ -352,7 +352,7 @@ def test_checksum_mismatch_rejects_the_version_and_keeps_the_previous_weights():
 
 
 def test_shard_sizes_follow_torch_chunk():
-    from disagg.transport.sync import shard_sizes
+    from disagg.transport.model_transfer import shard_sizes
 
     for dim0 in (0, 1, 2, 3, 5, 33, 64):
         for n in (1, 2, 3, 4):

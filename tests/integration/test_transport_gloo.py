@@ -155,7 +155,7 @@ def _armed(rank: int, world: int, port: int, signals: str = "store") -> dict:
 
     from disagg.errors import SyncCancelled
     from disagg.transport.signals import driver_signals
-    from disagg.transport.sync import ARM_CANCEL, ARM_SEND, arm_key, armed_go, go_key
+    from disagg.transport.model_transfer import ARM_CANCEL, ARM_SEND, arm_key, armed_go, go_key
 
     group = _group(rank, world, port, signals=signals)
     assert group.signals == signals
@@ -298,7 +298,7 @@ def _header_first(rank: int, world: int, port: int) -> dict:
     to be taken, the receiver keeps its weights, and a plain sync after both is exact (in step); a
     receiver whose manifest differs refuses at the header, before any word."""
     from disagg.errors import SyncCancelled
-    from disagg.transport.sync import ARM_CANCEL, ARM_SEND, arm_key, armed_go
+    from disagg.transport.model_transfer import ARM_CANCEL, ARM_SEND, arm_key, armed_go
 
     group = _group(rank, world, port, signals="socket")
     m = build_manifest(_weights(5).items(), BUCKET_BYTES, policy_version=5)
@@ -361,7 +361,7 @@ def _header_first(rank: int, world: int, port: int) -> dict:
 def _parts(rank: int, world: int, port: int) -> dict:
     """A receive (``receive_model``, gather) that takes the tensor split over buckets part by part."""
     from disagg.transport.buckets import PartLoader
-    from disagg.transport.sync import receive_model
+    from disagg.transport.model_transfer import receive_model
 
     group = _group(rank, world, port)
     w = _weights(9)
@@ -393,7 +393,7 @@ def _whole_buckets(rank: int, world: int, port: int) -> dict:
     (``BucketReplay``), the receive buffers and their views reused from one version to the next."""
     from disagg.transport.buckets import PartLoader
     from disagg.transport.copyplan import CopyPlan, Recorded, learn
-    from disagg.transport.sync import receive_model
+    from disagg.transport.model_transfer import receive_model
 
     group = _group(rank, world, port)
     versions = (11, 12, 13)

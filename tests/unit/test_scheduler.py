@@ -124,7 +124,7 @@ def test_a_group_its_engine_stopped_as_stale_frees_its_slot_and_is_counted() -> 
 
 
 def test_a_kept_responses_first_token_version_comes_from_its_first_cut_with_tokens() -> None:
-    from disagg.rollout.engine_sync import first_token_version
+    from disagg.rollout.engine_receive import first_token_version
 
     assert first_token_version(4, []) is None  # no sync yet: its tokens (if any) are the serving version's
     assert first_token_version(4, [(3, 5)]) == 4

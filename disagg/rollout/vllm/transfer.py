@@ -51,7 +51,7 @@ from disagg.transport.copyplan import BucketReplay, CopyPlan, Recorded, learn
 from disagg.transport.delta import DeltaImage
 from disagg.transport.group import create_group, timed_raw_broadcasts
 from disagg.transport.manifest import BucketPlan, Manifest
-from disagg.transport.sync import armed_go, receive_model
+from disagg.transport.model_transfer import armed_go, receive_model
 
 log = logging.getLogger("disagg.rollout.transfer")
 
