@@ -16,7 +16,7 @@ class EnginePeers:
 
     async def set_load_mode(self, mode: str) -> str:
         """``disagg bench vllm-sync``: load the next versions with ``mode`` (``transport.load``)."""
-        return (await self._engine.collective_rpc("disagg_set_load_mode", args=(mode,)))[0]
+        return (await self._engine.worker_call("disagg_set_load_mode", mode))[0]
 
     async def set_in_flight_mode(self, requested: str, timeout_s: float = 60.0) -> str:
         """``disagg bench pipeline``'s keep / resubmit runs: what a sync does with requests in flight from
@@ -38,28 +38,26 @@ class EnginePeers:
         """``disagg bench vllm-sync --trace``: the next sync's part in each vLLM worker runs under
         ``torch.profiler``, written beside ``path`` (one file per worker, its rank in the name);
         those files' paths."""
-        return list(await self._engine.collective_rpc("disagg_trace_next_sync", args=(path,)))
+        return list(await self._engine.worker_call("disagg_trace_next_sync", path))
 
     async def param_checksums(self) -> dict[str, list[int]]:
         """Worker 0's bit checksum of each vLLM parameter (``disagg_param_checksums``)."""
-        return (await self._engine.collective_rpc("disagg_param_checksums"))[0]
+        return (await self._engine.worker_call("disagg_param_checksums"))[0]
 
     async def peer_init(self, init_info: dict[str, Any]) -> None:
         """``disagg bench vllm-sync --peer vllm-nccl``: vLLM's own NCCL engine joins a group with the trainer."""
-        await self._engine.collective_rpc("disagg_peer_init", args=(init_info,))
+        await self._engine.worker_call("disagg_peer_init", init_info)
 
     async def peer_use(self, name: str) -> None:
         """The weight-transfer engine vLLM's start / update / finish go to from now on: "vllm-nccl" (the
         peer's block) or "disagg"."""
-        await self._engine.collective_rpc("disagg_peer_use", args=(name,))
+        await self._engine.worker_call("disagg_peer_use", name)
 
     async def peer_receive(self, update_info: dict[str, Any]) -> None:
         """A weight update through vLLM's own NCCL engine (after ``peer_use("vllm-nccl")``), as its users
         make one: ``AsyncLLM``'s start, update and finish (each a call into the worker; vLLM's layerwise
         reload)."""
-        from disagg.rollout.vllm import api as vllm_api
-
-        await vllm_api.peer_weight_update(self._engine, update_info)
+        await self._engine.peer_weight_update(update_info)
 
     async def ckpt_init(self, host: str, port: int, rank: int, world_size: int) -> None:
         """``disagg bench vllm-sync --peer checkpoint-engine``: a ParameterServer rank in this actor's process,
@@ -75,11 +73,11 @@ class EnginePeers:
         loop, timeout_s = asyncio.get_running_loop(), self.transport_cfg.timeout_s
 
         def call_worker(handles: dict[str, str]) -> dict[str, float]:
-            rpc = self._engine.collective_rpc("disagg_ckpt_receive", args=(handles, timeout_s))
+            rpc = self._engine.worker_call("disagg_ckpt_receive", handles, timeout_s)
             return asyncio.run_coroutine_threadsafe(rpc, loop).result(timeout_s)[0]
 
         return await asyncio.to_thread(self._ckpt.update, name, call_worker)
 
     async def raw_receive(self, nbytes: int, repeats: int) -> list[float]:
         """``disagg bench vllm-sync``: the worker's side of ``repeats`` raw broadcasts of ``nbytes``."""
-        return (await self._engine.collective_rpc("disagg_raw_receive", args=(nbytes, repeats)))[0]
+        return (await self._engine.worker_call("disagg_raw_receive", nbytes, repeats))[0]

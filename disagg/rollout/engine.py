@@ -14,7 +14,7 @@ weights, each response cut where the engine core counted its tokens at the pause
 the labels must agree); 'resubmit' aborts this actor's requests and continues each
 on the new weights from the tokens it had, so that each piece of a response comes
 from one version the actor knows. 'auto' keeps where vLLM labels tokens
-(``vllm_api``) and resubmits where it does not. A resubmitted piece carries its
+(``resolve_in_flight_mode``) and resubmits where it does not. A resubmitted piece carries its
 request's cache salt, so vLLM's prefix cache gives back the KV its earlier pieces
 computed (each full block's KV from the weights that fed it, as in keep mode) and
 the new weights prefill only the last, partial block; each ``Completion.pieces``
@@ -38,9 +38,8 @@ from typing import Any
 
 from disagg.cluster import freeze_heap, pin_process
 from disagg.config import RolloutConfig, TransportConfig
-from disagg.errors import EngineDeadError, RolloutError
+from disagg.errors import ConfigError, EngineDeadError, RolloutError
 from disagg.logs import await_logged, setup_logging
-from disagg.rollout.vllm import api as vllm_api
 from disagg.rollout.bench_peers import EnginePeers
 from disagg.rollout.engine_receive import EngineSync
 from disagg.rollout.types import Completion, GenRequest, GenResult, SamplingSpec
@@ -48,7 +47,6 @@ from disagg.storage import local_copy
 
 log = logging.getLogger("disagg.rollout")
 
-WORKER_EXTENSION = "disagg.rollout.vllm.transfer.DisaggWorkerExtension"
 
 
 def model_tensor_specs(model_path: str) -> tuple:
@@ -84,6 +82,20 @@ def cut_versions(request_id: str, start: int, cuts: list[tuple[int, int]], num_t
         versions += [version] * (count - len(versions))
         version = loaded
     return versions + [version] * (num_tokens - len(versions))
+
+
+def resolve_in_flight_mode(requested: str, labels: bool, counts: bool) -> str:
+    """``rollout.in_flight_at_sync`` for this engine: 'keep' or 'resubmit' (pure). Keep needs either
+    vLLM's token labels or the engine core's counts (``output_counts``: responses cut at the pauses);
+    'auto' keeps where it has one of them (every engine with disagg's vLLM plugin: 0.26 and 0.32),
+    and resubmits where it has neither; an explicit 'keep' there is a configuration error."""
+    if requested == "auto":
+        return "keep" if labels or counts else "resubmit"
+    if requested == "keep" and not (labels or counts):
+        raise ConfigError("rollout.in_flight_at_sync='keep' needs token versions: this vLLM labels no token and "
+                          "its engine core lacks disagg's output counts (the disagg vLLM plugin is not loaded "
+                          "there: is it left out of VLLM_PLUGINS?); use 'resubmit' or 'auto'")
+    return requested
 
 
 class EngineActor(EngineSync, EnginePeers):
@@ -159,32 +171,13 @@ class EngineActor(EngineSync, EnginePeers):
         """Start AsyncLLM (dummy weights unless load_format=auto). Returns start info."""
         import ray
 
+        from disagg.rollout.vllm.backend import VllmBackend
+
         t0 = time.perf_counter()
-        args = dict(
-            model=self.model_path,
-            load_format=self.cfg.load_format,
-            dtype=self.cfg.dtype,
-            max_model_len=self.cfg.max_model_len,
-            **vllm_api.memory_args(self.cfg.gpu_memory_utilization),
-            max_num_seqs=self.cfg.max_num_seqs,
-            enforce_eager=self.cfg.enforce_eager,
-            **vllm_api.cudagraph_args(self.cfg.max_cudagraph_capture_size),
-            tensor_parallel_size=self.cfg.tensor_parallel_size,
-            distributed_executor_backend=vllm_api.executor_backend(self.cfg.tensor_parallel_size),
-            seed=self.seed,
-            logprobs_mode="processed_logprobs",
-            weight_transfer_config={"backend": "disagg"},
-            worker_extension_cls=WORKER_EXTENSION,
-            # Stats feed vLLM's Prometheus metrics, served at the OpenAI server's /metrics; nothing
-            # calls do_log_stats, so they are never printed.
-            disable_log_stats=not self.cfg.openai_api,
-        )
-        self._engine = vllm_api.start_engine(args)
-        # Where each token's weight version can come from: vLLM's labels (0.32), the engine core's
-        # counts at each pause (disagg's plugin); keep mode needs one of them.
-        self._version_sources = [name for name, has in (
-            ("labels", vllm_api.labels_token_versions(self._engine)),
-            ("counts", await vllm_api.has_output_counts(self._engine))) if has]
+        self._engine = VllmBackend.start(self.cfg, self.model_path, self.seed)
+        # Where each token's weight version can come from (the engine's labels, its counts at each
+        # pause); keep mode needs one of them.
+        self._version_sources = await self._engine.token_version_sources()
         self._mode = self._resolve_in_flight_mode(self.cfg.in_flight_at_sync)
         node = ray.util.get_node_ip_address()
         if self.cfg.openai_api:
@@ -192,7 +185,7 @@ class EngineActor(EngineSync, EnginePeers):
         start_s = time.perf_counter() - t0
         if self.cfg.load_format == "auto":
             self.version = 1
-            await vllm_api.set_served_version(self._engine, 1)
+            await self._engine.set_served_version(1)
             self._weights_loaded.set()
             self._report_state("READY")
         else:
@@ -205,25 +198,21 @@ class EngineActor(EngineSync, EnginePeers):
                                                    model_tensor_specs(self.model_path)))
             self._registered = True
         freeze_heap(f"engine {self.engine_id}")
-        core_start = vllm_api.engine_core_start(self._engine)
+        report = self._engine.start_report()
         import torch._dynamo
 
-        dynamo = "off" if torch._dynamo.config.disable else "on"  # vllm_api.engine_env
-        log.info("engine started in %.1fs (vLLM %s, load_format=%s, in-flight requests at a sync: %s, "
-                 "engine core %s, torch dynamo %s)", start_s, vllm_api.vllm_version(), self.cfg.load_format,
-                 self._mode, core_start or "elsewhere", dynamo)
+        dynamo = "off" if torch._dynamo.config.disable else "on"  # (the pool's engine environment)
+        log.info("engine started in %.1fs (%s, load_format=%s, in-flight requests at a sync: %s, "
+                 "engine core %s, torch dynamo %s)", start_s, self._engine.name, self.cfg.load_format,
+                 self._mode, report.get("engine_core_start") or "elsewhere", dynamo)
         return {"engine_id": self.engine_id, "start_s": start_s, "node_ip": node, "pid": os.getpid(),
                 "address": self.address, "node_id": ray.get_runtime_context().get_node_id(),
-                "vllm_version": vllm_api.vllm_version(), "in_flight_at_sync": self._mode,
-                "token_version_sources": self._version_sources,
-                "kv_block_size": vllm_api.kv_block_size(self._engine),
-                "engine_core_start": core_start, "dynamo": dynamo,
-                "cudagraph_max_size": vllm_api.cudagraph_max_size(self._engine)}
+                "in_flight_at_sync": self._mode, "token_version_sources": self._version_sources, "dynamo": dynamo,
+                **report}
 
     def _resolve_in_flight_mode(self, requested: str) -> str:
         """``requested`` resolved for this engine's token-version sources (found once, at start)."""
-        return vllm_api.resolve_in_flight_mode(requested, "labels" in self._version_sources,
-                                               "counts" in self._version_sources)
+        return resolve_in_flight_mode(requested, "labels" in self._version_sources, "counts" in self._version_sources)
 
     async def _start_http(self, node_ip: str) -> None:
         """Serve vLLM's OpenAI API from this actor, behind the weights-loaded gate."""
@@ -236,8 +225,10 @@ class EngineActor(EngineSync, EnginePeers):
                               c.api_tls_key and os.path.expanduser(c.api_tls_key))
         # Ready (``/health``) while real weights are loaded: a sync in progress keeps it ready (its
         # requests wait at the gate a moment), a failed one that leaves part of a version does not.
+        access.check()
+        app = await self._engine.openai_app(c.served_model_name, c.tool_call_parser)
         server, task, self.address, gate = await start_openai_server(
-            self._engine, model_path=self.model_path, served_model_name=c.served_model_name, access=access,
+            app, served_model_name=c.served_model_name, access=access,
             tool_call_parser=c.tool_call_parser, wait_weights=self._wait_weights,
             ready=self._weights_loaded.is_set, version=lambda: self.version, counters=self.stats)
         self._http = (server, task, gate)
@@ -312,7 +303,7 @@ class EngineActor(EngineSync, EnginePeers):
                     num_buffers=self.transport_cfg.num_buffers, verify=self.transport_cfg.verify,
                     load=self.transport_cfg.load, delta=self.transport_cfg.delta != "off",
                     high_priority=self.transport_cfg.nccl_high_priority, signals=signals)
-        await vllm_api.init_weight_transfer(self._engine, info)
+        await self._engine.join_transport(info)
 
     async def ping(self) -> dict[str, Any]:
         """The driver's health check: vLLM's own (raises once its engine core died) and what it serves."""
@@ -324,10 +315,10 @@ class EngineActor(EngineSync, EnginePeers):
     async def arm_fault(self, point: str, action: str = "exit", after: int = 1) -> None:
         """Fault-injection tests: make this engine's model worker fail for real at ``point``
         (``disagg.faults``; armed in the worker's process, wherever vLLM runs it)."""
-        await self._engine.collective_rpc("disagg_arm_fault", args=(point, action, after))
+        await self._engine.worker_call("disagg_arm_fault", point, action, after)
 
     async def get_version(self) -> dict[str, Any]:
-        served = await vllm_api.served_weight_version(self._engine) if self._engine is not None else None
+        served = await self._engine.served_version() if self._engine is not None else None
         return {"policy_version": self.version, "vllm_weight_version": served, "loaded": self._weights_loaded.is_set()}
 
     # ---- generation ------------------------------------------------------------------
@@ -394,7 +385,7 @@ class EngineActor(EngineSync, EnginePeers):
         return GenResult(req.request_id, self.engine_id, list(req.prompt_ids), ordered, low, max(versions, default=low))
 
     def _params(self, s: SamplingSpec, n: int, max_tokens: int, seed: int | None):
-        return vllm_api.sampling_params(n=n, max_tokens=max_tokens, temperature=0.0 if s.greedy else s.temperature,
+        return self._engine.sampling(n=n, max_tokens=max_tokens, temperature=0.0 if s.greedy else s.temperature,
                                         top_p=1.0 if s.greedy else s.top_p, seed=seed, ignore_eos=s.ignore_eos)
 
     async def _run(self, request_id: str, prompt_ids: list[int], params, what: str, salt: int | None = None,
@@ -419,7 +410,7 @@ class EngineActor(EngineSync, EnginePeers):
             try:
                 # Salted by version: a new request never reuses KV that other weights computed, even
                 # where vLLM could not empty its prefix cache at the sync.
-                handle = await vllm_api.submit(self._engine, request_id, prompt_ids, params,
+                handle = await self._engine.submit(request_id, prompt_ids, params,
                                                f"v{version if salt is None else salt}")
             finally:
                 self._submitting -= 1
@@ -427,7 +418,7 @@ class EngineActor(EngineSync, EnginePeers):
                     self._submitted.set()
             self._live.add(request_id)
             try:
-                return await vllm_api.final_output(self._engine, handle), version
+                return await self._engine.final_output(handle), version
             finally:
                 self._live.discard(request_id)
         finally:
@@ -452,15 +443,12 @@ class EngineActor(EngineSync, EnginePeers):
             for i in range(s.n):
                 self._cuts.pop((req.request_id, i), None)
         comps: dict[int, Completion] = {}
-        for o in out.outputs:
-            ids = list(o.token_ids)
-            versions = cut_versions(req.request_id, version, cuts.get(o.index, []), len(ids))
-            labels = vllm_api.token_versions(req.request_id, o, len(ids))
-            if labels is not None and labels != versions:
-                raise RolloutError(f"request {req.request_id} sample {o.index}: vLLM labels its tokens {labels}, "
-                                   f"its pauses cut it into {versions}")
-            comps[o.index] = Completion(ids, vllm_api.sampled_logprobs(o.logprobs, ids),
-                                        str(o.finish_reason) if o.finish_reason else "", versions)
+        for o in out.samples:
+            versions = cut_versions(req.request_id, version, cuts.get(o.index, []), len(o.token_ids))
+            if o.labels is not None and o.labels != versions:
+                raise RolloutError(f"request {req.request_id} sample {o.index}: the engine labels its tokens "
+                                   f"{o.labels}, its pauses cut it into {versions}")
+            comps[o.index] = Completion(list(o.token_ids), list(o.logprobs), o.finish_reason, versions)
         if len(comps) != s.n:
             raise EngineDeadError(f"engine {self.engine_id} returned {len(comps)} of {s.n} samples for {req.request_id}")
         return [comps[i] for i in sorted(comps)]
@@ -495,23 +483,23 @@ class EngineActor(EngineSync, EnginePeers):
             seed = None if s.seed is None else s.seed + 7919 * index + piece
             out, version = await self._run(rid, list(req.prompt_ids) + ids, self._params(s, 1, budget, seed),
                                            f"weights (request {rid})", salt=chain)
-            (o,) = out.outputs
+            (o,) = out.samples
             new = list(o.token_ids)
             if piece:
-                kept = vllm_api.cached_tokens(out) if chain is not None else 0
+                kept = out.cached_tokens if chain is not None else 0
                 pieces.append((len(ids), kept))
                 if new:  # its prefill completed (one aborted before a token may not have been scheduled at all)
                     self.stats["resubmit_kv_kept_tokens"] += kept
                     self.stats["resubmit_prefill_tokens"] += len(req.prompt_ids) + len(ids) - kept
-            labels = vllm_api.token_versions(rid, o, len(new))
-            if labels is not None and any(v != version for v in labels):  # vLLM's own labels, where it has them
-                raise RolloutError(f"request {rid}: served as version {version} but vLLM labels its tokens {labels}")
+            if o.labels is not None and any(v != version for v in o.labels):  # the engine's own, where it has them
+                raise RolloutError(f"request {rid}: served as version {version} but the engine labels its tokens "
+                                   f"{o.labels}")
             # A piece that made tokens completed its prefill: its chain holds every block before them.
             chain = (version if chain is None else chain) if new else None
             if new and req.stale_drop:  # this sample's oldest token, for the syncs (_drop_stale)
                 self._oldest[req.request_id] = min(self._oldest.get(req.request_id, version), version)
             ids += new
-            logprobs += vllm_api.sampled_logprobs(o.logprobs, new)
+            logprobs += o.logprobs
             versions += [version] * len(new)
             if o.finish_reason == "abort" and rid in self._aborted_by_sync:
                 self._aborted_by_sync.discard(rid)
@@ -519,11 +507,11 @@ class EngineActor(EngineSync, EnginePeers):
                 piece += 1
                 continue
             self._aborted_by_sync.discard(rid)
-            return Completion(ids, logprobs, str(o.finish_reason) if o.finish_reason else "", versions, pieces=pieces)
+            return Completion(ids, logprobs, o.finish_reason, versions, pieces=pieces)
 
     async def get_transfer_stats(self) -> dict[str, Any]:
         """What the receiver in the model's process counted for the last sync."""
-        return (await self._engine.collective_rpc("disagg_transfer_stats"))[0]
+        return (await self._engine.worker_call("disagg_transfer_stats"))[0]
 
     async def placement_group_id(self) -> str:
         import ray
@@ -533,10 +521,10 @@ class EngineActor(EngineSync, EnginePeers):
     async def get_stats(self) -> dict[str, Any]:
         import gc
 
-        made = vllm_api.generation_tokens() if self._engine else None
+        made = self._engine.tokens_generated() if self._engine else None
         return dict(self.stats, policy_version=self.version, address=self.address,
                     gc_frozen_objects=gc.get_freeze_count(),
-                    unfinished_requests=vllm_api.num_unfinished_requests(self._engine) if self._engine else 0,
+                    unfinished_requests=self._engine.num_unfinished() if self._engine else 0,
                     # vLLM's count: every token sampled, where tokens_generated counts finished responses'
                     **({"vllm_generation_tokens": made} if made is not None else {}))
 

@@ -15,7 +15,6 @@ import logging
 import time
 
 from disagg.errors import ChecksumError, RolloutError
-from disagg.rollout.vllm import api as vllm_api
 from disagg.rollout.types import SyncReport
 
 log = logging.getLogger("disagg.rollout")
@@ -160,7 +159,7 @@ class EngineSync:
                 phases["reset_cache_s"] = time.time() - called  # beside the update, not after it
                 return out
 
-            reset, stats = await asyncio.gather(reset_cache(), vllm_api.sync_weights(eng, info, policy_version))
+            reset, stats = await asyncio.gather(reset_cache(), eng.load_weights(info, policy_version))
             returned = stamps["update_return"] = time.time()
             recv_s = time.perf_counter() - t
             lap("update_s")
@@ -202,15 +201,15 @@ class EngineSync:
         # whose responses carry version bounds). AsyncLLM.pause_generation is this call plus a
         # 20 ms sleep that only lets outputs of aborted or drained requests arrive first (vLLM:
         # "not required for correctness"); the sleep was a fifth of a long-tail step's time.
-        if not self._paused and (self.stats["http_inflight"] or vllm_api.num_unfinished_requests(eng)
+        if not self._paused and (self.stats["http_inflight"] or eng.num_unfinished()
                                  or (self._mode == "keep" and self._active)):
-            await eng.engine_core.pause_scheduler_async(mode="keep", clear_cache=False)
+            await eng.pause_in_place()
             self._paused = True
             self.stats["pauses"] += 1
         # Keep mode: how many tokens each frozen request holds, all sampled by the weights being
         # replaced (vLLM completes a keep pause only with its engine core idle, every step's output
         # sent); each response is cut there once the load went through (_cut_at_pause).
-        self._pause_counts = (await vllm_api.output_counts(eng) if self._mode == "keep" and self._paused
+        self._pause_counts = (await eng.output_counts() if self._mode == "keep" and self._paused
                               and self._live else None)
 
     def _cut_at_pause(self, policy_version: int) -> None:
@@ -218,7 +217,7 @@ class EngineSync:
         count at the pause."""
         counts, self._pause_counts = self._pause_counts, None
         for internal_id, count in (counts or {}).items():
-            sample = vllm_api.sample_of(internal_id, self._live)
+            sample = self._engine.sample_of(internal_id, self._live)
             if sample is not None:  # not the OpenAI server's
                 cuts = self._cuts.setdefault(sample, [])
                 cuts.append((count, policy_version))
@@ -263,5 +262,5 @@ class EngineSync:
 
     async def _resume(self) -> None:
         if self._paused:
-            await self._engine.resume_generation()
+            await self._engine.resume()
             self._paused = False

@@ -33,8 +33,8 @@ is asked: the node's own processes, as before. Such an endpoint also listens on 
 port where that port is free there.
 
 The gate must never let a route it has not classified through before the first
-sync: a new route waits (deny by default). Only the engine actor imports this
-module's server (it imports vLLM, FastAPI, uvicorn); ``route_access`` is pure.
+sync: a new route waits (deny by default). Only the engine actor starts this
+module's server (uvicorn; the app is the engine's own); ``route_access`` is pure.
 """
 
 from __future__ import annotations
@@ -290,31 +290,18 @@ def _sockets(host: str, port: int) -> list[socket.socket]:
         return [main]
 
 
-async def start_openai_server(engine, *, model_path: str, served_model_name: str, access: ServerAccess,
-                              tool_call_parser: str | None, wait_weights: Callable[[str], Any],
-                              ready: Callable[[], bool], version: Callable[[], int], counters: dict[str, int]):
-    """Serve vLLM's OpenAI app for ``engine`` as ``access`` says, behind ``KeyCheck`` and ``WeightsGate``.
+async def start_openai_server(app, *, served_model_name: str, access: ServerAccess, tool_call_parser: str | None,
+                              wait_weights: Callable[[str], Any], ready: Callable[[], bool], version: Callable[[], int],
+                              counters: dict[str, int]):
+    """Serve ``app`` (the engine's own OpenAI app: ``EngineBackend.openai_app``) as ``access`` says,
+    behind ``KeyCheck`` and ``WeightsGate``.
 
     Returns ``(server, serve_task, "http(s)://host:port", gate)``; stop with
     ``server.should_exit = True`` and await the task.
     """
     import uvicorn
 
-    from disagg.rollout.vllm.api import openai_app_builders, tool_parser_class
-
     access.check()
-    build_app, init_app_state, make_arg_parser, FlexibleArgumentParser = openai_app_builders()
-    if tool_call_parser:
-        tool_parser_class(tool_call_parser)  # a name vLLM does not have: a ConfigError naming the key
-
-    argv = ["--model", model_path, "--served-model-name", served_model_name, "--disable-log-stats",
-            "--disable-fastapi-docs"]
-    if tool_call_parser:
-        argv += ["--enable-auto-tool-choice", "--tool-call-parser", tool_call_parser]
-    args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv)
-    tasks = await engine.get_supported_tasks()
-    app = build_app(args, tasks, engine.model_config)
-    await init_app_state(engine, app.state, args, tasks)
     gate = WeightsGate(app, wait_weights=wait_weights, ready=ready, version=version, counters=counters)
 
     sockets = _sockets(access.host, access.port)

@@ -65,6 +65,30 @@ class Completion:
         return min(self.token_versions, default=0)
 
 
+@dataclass(frozen=True)
+class SampleOutput:
+    """One sample of a finished engine request, as every engine backend hands it to the engine actor
+    (``rollout/vllm/api.py: final_output``): the actor never reads an engine's own output objects."""
+
+    index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    """The log-prob of each sampled token."""
+    finish_reason: str
+    """'stop', 'length', 'abort' (a sync or a client aborted it); '' when the engine gave none."""
+    labels: list[int] | None
+    """Each token's weight version as the engine labelled it; None where the engine labels none."""
+
+
+@dataclass(frozen=True)
+class EngineOutput:
+    """A finished engine request: its samples, and the prompt tokens whose KV came from the engine's
+    prefix cache (a resubmitted piece's kept KV)."""
+
+    samples: list[SampleOutput]
+    cached_tokens: int = 0
+
+
 @dataclass
 class GenResult:
     """The engine's answer to one GenRequest.

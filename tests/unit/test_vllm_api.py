@@ -8,7 +8,8 @@ import pytest
 
 from disagg.errors import ConfigError, RolloutError
 from disagg.rollout.engine import cut_versions
-from disagg.rollout.vllm.api import has_output_counts, resolve_in_flight_mode, sample_of, token_versions
+from disagg.rollout.engine import resolve_in_flight_mode
+from disagg.rollout.vllm.api import has_output_counts, sample_of, token_versions
 
 
 def test_token_versions_come_from_the_engine_weight_version_spans():
@@ -158,3 +159,22 @@ def test_on_cpu_the_engine_core_is_forked_and_the_start_method_is_read_from_its_
         multiprocessing.get_context("spawn").Process(target=print)]))))
     assert engine_core_start(spawned) == "spawn"
     assert engine_core_start(NS(engine_core=NS(resources=NS(engine_manager=None)))) == ""
+
+
+def test_a_finished_vllm_request_reaches_the_actor_in_its_own_terms():
+    """``engine_output``: what the engine actor reads of vLLM's ``RequestOutput`` (the seam: it reads
+    nothing else), here from outputs shaped as vLLM 0.32 makes them (flat log-probs, labels)."""
+    from disagg.rollout.types import EngineOutput, SampleOutput
+    from disagg.rollout.vllm.api import engine_output
+
+    flat = NS(token_ids=[5, 6, 7], logprobs=[-0.1, -0.2, -0.3])
+    labelled = NS(index=1, token_ids=[5, 6, 7], logprobs=flat, finish_reason="length",
+                  weight_versions=[NS(version="3", start=0, end=2), NS(version="4", start=2, end=3)])
+    unlabelled = NS(index=0, token_ids=[], logprobs=None, finish_reason=None)
+    out = engine_output(NS(request_id="r", outputs=[labelled, unlabelled], num_cached_tokens=16))
+    assert out == EngineOutput([SampleOutput(1, [5, 6, 7], [-0.1, -0.2, -0.3], "length", [3, 3, 4]),
+                                SampleOutput(0, [], [], "", None)], cached_tokens=16)
+    assert engine_output(NS(request_id="r", outputs=[unlabelled], num_cached_tokens=None)).cached_tokens == 0
+    with pytest.raises(RolloutError, match="request r: 3 tokens but weight-version spans cover 2"):
+        engine_output(NS(request_id="r", outputs=[NS(index=0, token_ids=[5, 6, 7], logprobs=flat, finish_reason="stop",
+                                                     weight_versions=[NS(version="3", start=0, end=2)])]))

