@@ -132,14 +132,12 @@ def exit_quietly(rc: int) -> NoReturn:
     import atexit
     import os
 
+    from disagg.logs import flush_std_streams
+
     try:
         atexit._run_exitfuncs()
     finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
+        flush_std_streams()
         os._exit(rc)
 
 

@@ -21,8 +21,6 @@ from disagg.rollout.pool import RolloutPool
 from disagg.trainer.pool import TrainerGroup
 from disagg.weightsync import ArmedReceive, PendingSync, SyncStats, WeightSync, sync_stats
 
-__all__ = ["Job", "PendingSync", "SyncStats"]
-
 log = logging.getLogger("disagg.job")
 
 

@@ -69,12 +69,17 @@ def quiet_teardown() -> None:
 _TEARDOWN_QUIET = False
 
 
-def _stderr_to_devnull() -> None:
+def flush_std_streams() -> None:
+    """Flush stdout and stderr (a process about to leave, or to lose its stderr)."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except (OSError, ValueError):  # a closed stream has nothing to flush
             pass
+
+
+def _stderr_to_devnull() -> None:
+    flush_std_streams()
     null = os.open(os.devnull, os.O_WRONLY)
     os.dup2(null, 2)
     os.close(null)

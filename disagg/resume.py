@@ -28,7 +28,7 @@ from typing import Any
 
 from disagg import storage
 from disagg.config import Config
-from disagg.digests import MANIFEST, ManifestError, compare, parse_manifest
+from disagg.digests import MANIFEST
 from disagg.errors import CheckpointDamaged, ConfigError
 from disagg.tasks.base import PromptRow, PromptSource
 
@@ -116,11 +116,7 @@ def verify_checkpoint(location: str, cache_dir: str = DEFAULT_CACHE_DIR) -> Verd
         except CheckpointDamaged as e:
             return Verdict(location, tuple(e.faults), True)
         return Verdict(location, (), True)
-    try:
-        expected = parse_manifest(storage.read_text(manifest))
-    except ManifestError as e:
-        return Verdict(location, (f"{MANIFEST}: {e}",), True)
-    return Verdict(location, tuple(compare(Path(location), expected)), True)
+    return Verdict(location, tuple(storage.manifest_faults(Path(location))), True)
 
 
 def find_checkpoint(resume: str, cache_dir: str = DEFAULT_CACHE_DIR) -> str:

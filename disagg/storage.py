@@ -174,7 +174,7 @@ def local_copy(location: str, cache_dir: str) -> Path:
                 target = tmp / posixpath.relpath(f, root)
                 target.parent.mkdir(parents=True, exist_ok=True)
                 fs.get_file(f, str(target))
-            faults = copy_faults(tmp)
+            faults = manifest_faults(tmp)
             if faults:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise CheckpointDamaged(location, faults)
@@ -182,9 +182,9 @@ def local_copy(location: str, cache_dir: str) -> Path:
     return dest
 
 
-def copy_faults(local: Path) -> list[str]:
-    """What is wrong with the copy in ``local`` against the manifest that came with it (``[]``
-    when it matches, or when it has none: not a checkpoint, or one written before manifests)."""
+def manifest_faults(local: Path) -> list[str]:
+    """What is wrong with the files in the local directory ``local`` against the manifest among them
+    (``[]`` when they match, or when there is none: not a checkpoint, or one written before manifests)."""
     manifest = local / MANIFEST
     if not manifest.is_file():
         return []

@@ -67,8 +67,7 @@ def _evict(root: Path, names: list[str]) -> None:
 
 def _read_only(root: Path, names: list[str], threads: int) -> None:
     """The digest's reads (its chunks on its threads), without the hash."""
-    jobs = [(n, s, min(digests.CHUNK_BYTES, (root / n).stat().st_size - s)) for n in names
-            for s in range(0, (root / n).stat().st_size, digests.CHUNK_BYTES)]
+    jobs = digests.chunk_plan(root, names)
 
     def read(job) -> None:
         name, start, length = job
@@ -104,7 +103,7 @@ def run(opts) -> dict:
         print(f"writing a {opts.size_gb:g} GB checkpoint-shaped directory in {root} ...", flush=True)
         names = _write(root, int(opts.size_gb * 1e9))
     total = sum((root / n).stat().st_size for n in names)
-    threads = opts.threads or min(16, len(os.sched_getaffinity(0)))
+    threads = opts.threads or digests.default_threads()
     ways = {"read": lambda: _read_only(root, names, threads),
             "digest": lambda: digests.digest_files(root, names, threads),
             "sha256": lambda: _sha256(root, names)}

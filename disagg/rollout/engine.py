@@ -225,7 +225,6 @@ class EngineActor(EngineSync, EnginePeers):
                               c.api_tls_key and os.path.expanduser(c.api_tls_key))
         # Ready (``/health``) while real weights are loaded: a sync in progress keeps it ready (its
         # requests wait at the gate a moment), a failed one that leaves part of a version does not.
-        access.check()
         app = await self._engine.openai_app(c.served_model_name, c.tool_call_parser)
         server, task, self.address, gate = await start_openai_server(
             app, served_model_name=c.served_model_name, access=access,

@@ -262,8 +262,9 @@ class ServerAccess:
     def check(self) -> None:
         """A ConfigError when the endpoint would answer other hosts without a key."""
         if not is_loopback(self.host) and not self.key:
-            raise ConfigError(f"rollout.api_host={self.host!r} serves other hosts, and no key is set to ask them "
-                              "for: an engine needs the job's control token or rollout.api_key")
+            raise ConfigError(f"rollout.api_host={self.host!r}: the engines' OpenAI API would answer other hosts "
+                              "with no key to ask them for (rollout.api_key: env:NAME or file:PATH; a training job "
+                              "uses its control token)")
 
 
 def _sockets(host: str, port: int) -> list[socket.socket]:

@@ -13,7 +13,6 @@ import threading
 from typing import Any
 
 from disagg.config import Config
-from disagg.errors import ConfigError
 from disagg.logs import ray_get_logged
 from disagg.rollout.vllm import api as vllm_api
 from disagg.rollout.types import GenRequest, GenResult
@@ -36,12 +35,10 @@ class RolloutPool:
 
     def __init__(self, cfg: Config, pg, device: str, model_path: str, coordinator=None,
                  label_selector: dict[str, str] | None = None, wait: bool = True, api_key: str | None = None):
-        from disagg.rollout.openai_server import is_loopback
+        from disagg.rollout.openai_server import ServerAccess
 
-        if cfg.rollout.openai_api and not api_key and not is_loopback(cfg.rollout.api_host):
-            raise ConfigError(f"rollout.api_host={cfg.rollout.api_host!r}: the engines' OpenAI API would answer other "
-                              "hosts with no key to ask them for (rollout.api_key: env:NAME or file:PATH; a training "
-                              "job uses its control token)")
+        if cfg.rollout.openai_api:  # before any engine starts ('node': an address other than loopback)
+            ServerAccess(cfg.rollout.api_host, cfg.rollout.api_port_base, api_key).check()
         self.cfg, self.device, self.model_path, self.coordinator = cfg, device, model_path, coordinator
         self.api_key = api_key  # what the engines' OpenAI API asks off loopback
         self.label_selector = dict(label_selector or {})  # cluster.rollout_nodes, for engines added later

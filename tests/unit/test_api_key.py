@@ -77,3 +77,13 @@ def test_disagg_ctl_reads_the_version_header_the_engines_write():
     from disagg.rollout import types
 
     assert ctl.VERSION_MAX_HEADER == types.VERSION_MAX_HEADER
+
+
+def test_an_endpoint_off_loopback_without_a_key_is_a_config_error_naming_the_host():
+    from disagg.rollout.openai_server import ServerAccess
+
+    for host in ("node", "10.0.0.5", "0.0.0.0"):
+        with pytest.raises(ConfigError, match=f"rollout.api_host='{host}': .* no key to ask them for"):
+            ServerAccess(host, 0, None).check()
+        ServerAccess(host, 0, "k").check()
+    ServerAccess("127.0.0.1", 0, None).check()

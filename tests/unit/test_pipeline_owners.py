@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from disagg.job import PendingSync, SyncStats
+from disagg.weightsync import PendingSync, SyncStats
 from disagg.pipeline.fleet import AgentRunners, EngineFleet
 from disagg.pipeline.generation import Generation
 from disagg.pipeline.recorder import StepRecord, StepRecorder
