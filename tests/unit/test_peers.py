@@ -248,3 +248,20 @@ def test_disaggs_set_up_is_split_at_its_logged_milestones(tmp_path):
         "00:00:34 INFO [driver] disagg.train: step 2/200 {'reward': '0.5'}"]))
     assert disagg_run.setup_phases(log) == {"ray_up_s": 1, "pools_up_s": 40, "first_weights_s": 41,
                                             "first_step_s": 43, "engine_start_s": 24.0}
+
+
+def test_vllms_own_start_up_timings_are_read_from_any_frameworks_log(tmp_path):
+    log = tmp_path / "run.log"
+    log.write_text("\n".join([
+        "(EngineCore pid=7) INFO 12-07 20:57:06 [gpu_model_runner.py:5150] Model loading took 0.9 GiB memory and 1.250000 seconds",
+        "(EngineCore pid=7) INFO 12-07 20:57:20 [backends.py:1167] Dynamo bytecode transform time: 6.40 s",
+        "(EngineCore pid=7) INFO 12-07 20:57:40 [monitor.py:20] torch.compile took 31.72 s in total",
+        "(EngineCore pid=7) INFO 12-07 20:57:55 [gpu_model_runner.py:6582] Graph capturing finished in 14 secs, took 0.31 GiB",
+        "(EngineCore pid=7) INFO 12-07 20:57:56 [core.py:402] init engine (profile, create kv cache, warmup model) "
+        "took 49.80 s (compilation: 31.72 s)",
+        "(EngineCore pid=9) INFO 12-07 21:07:40 [monitor.py:20] torch.compile took 2.00 s in total",  # a restart
+    ]))
+    assert disagg_run.vllm_phases(log) == {"vllm_model_load_s": 1.25, "vllm_dynamo_s": 6.4, "vllm_compile_s": 31.72,
+                                           "vllm_graphs_s": 14.0, "vllm_init_engine_s": 49.8}
+    log.write_text("12:00:00 INFO [driver] disagg.train: step 1/4 {'reward': '0.5'}\n")
+    assert disagg_run.vllm_phases(log) == {}

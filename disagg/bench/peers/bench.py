@@ -235,10 +235,14 @@ def _run_one(i: int, fw: str, mode: str, correction: str | None, *, o, job, file
     entry.update(name=name, log=str(run.log_path))
     if fw == "disagg":  # where its set-up went (seconds from launch, by its log's clock)
         entry["setup_phases"] = disagg_run.setup_phases(run.log_path)
+    entry.setdefault("setup_phases", {}).update(disagg_run.vllm_phases(run.log_path))
     if not result.steps or (result.exit_code not in (0, None) and result.stopped_by == "finished"):
         entry.update(log_excerpts(run.log_path))
     print(f"peers: {fw} {mode}: {result.stopped_by} after {len(result.steps)} steps, "
           f"{result.t_end - result.t_launch:.0f} s, exit {result.exit_code}", flush=True)
+    if entry["setup_phases"]:
+        print(f"peers: {fw} {mode} set-up: " + ", ".join(
+            f"{k.removesuffix('_s')} {v:.1f} s" for k, v in entry["setup_phases"].items()), flush=True)
     if device == "cuda":  # the run's process group is gone; wait for its GPU memory to be free
         free_gpus(before)
     return entry

@@ -42,6 +42,7 @@ def overrides(job: PeerJob, files: JobFiles, gpus: int, mode: str, run_dir: Path
         f"rollout.max_tokens={job.max_tokens}", f"rollout.max_model_len={job.max_model_len}",
         f"rollout.temperature={job.temperature}", f"rollout.top_p={job.top_p}",
         "logging.progress=false", "logging.plot=false", "logging.backends=[jsonl]", f"hydra.run.dir={run_dir}",
+        "rollout.vllm_log_level=INFO",  # vLLM's start-up timings (model load, compile, graphs) for setup_phases
     ]
     if job.heavy_tail:  # every group of the long tail in flight at once, as `bench pipeline` runs it
         out += [f"rollout.max_inflight_groups={job.prompts_per_step}",
@@ -107,4 +108,27 @@ def setup_phases(log_path: Path) -> dict[str, float]:
             out["engine_start_s"] = float(engine[1])
     for key, t in stamps.items():
         out[f"{key}_s"] = (t - start) % 86400
+    return out
+
+
+# vLLM's own start-up lines (0.26 and 0.32 word them so), in any framework's log where vLLM logs at INFO
+_VLLM_PHASES = (
+    ("vllm_model_load_s", r"Model loading took .*? and ([\d.]+) seconds"),
+    ("vllm_dynamo_s", r"Dynamo bytecode transform time: ([\d.]+) s"),
+    ("vllm_compile_s", r"torch\.compile (?:takes|took) ([\d.]+) s in total"),
+    ("vllm_graphs_s", r"Graph capturing finished in ([\d.]+) secs"),
+    ("vllm_init_engine_s", r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+) s"),
+)
+
+
+def vllm_phases(log_path: Path) -> dict[str, float]:
+    """vLLM's start-up as it logged it: model load, torch.compile (its Dynamo trace included), CUDA
+    graph capture and the engine core's whole init (profile, KV cache, warm-up), in seconds. The first
+    of each: the engine's start, not a later restart. Empty where vLLM logged above INFO."""
+    text = log_path.read_text(errors="replace")
+    out = {}
+    for key, pattern in _VLLM_PHASES:
+        m = re.search(pattern, text)
+        if m:
+            out[key] = float(m[1])
     return out
