@@ -494,7 +494,7 @@ def start_engine(args: dict[str, Any]):
 
 
 async def init_weight_transfer(engine, info: dict[str, Any]) -> None:
-    """Every worker of ``engine`` joins disagg's transport groups (``transfer.DisaggInitInfo``)."""
+    """Every worker of ``engine`` joins disagg's transport groups (``model_receiver.DisaggInitInfo``)."""
     from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
     await engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info))
