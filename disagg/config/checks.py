@@ -126,6 +126,32 @@ def _check_sampling(cfg: Config, mode: str) -> None:
            "default")
 
 
+def _check_engine(cfg: Config, mode: str) -> None:
+    """What ``rollout.engine=sglang`` cannot honour, each refused by its key (what it maps instead:
+    ``disagg/rollout/sglang/__init__.py``); a CPU device that ``auto`` resolves to is refused before
+    Ray starts (``resolve.resolve_device``)."""
+    r = cfg.rollout
+    if r.engine != "sglang":
+        return
+    refusals = [
+        (cfg.cluster.device == "cpu", f"cluster.device={cfg.cluster.device!r}",
+         "SGLang publishes no CPU build; use cluster.device=cuda (or rollout.engine=vllm)"),
+        (r.tensor_parallel_size > 1, f"rollout.tensor_parallel_size={r.tensor_parallel_size}",
+         "SGLang runs its tensor-parallel workers as processes of the engine actor, which the pool places "
+         "on one GPU bundle; use 1"),
+        (r.in_flight_at_sync == "keep", "rollout.in_flight_at_sync='keep'",
+         "SGLang labels no token with its weight version and disagg has no count of a paused request's "
+         "tokens there; use 'resubmit' or 'auto'"),
+        (r.openai_api, "rollout.openai_api=true",
+         "SGLang's OpenAI server is not behind disagg's weights gate (and its engine starts without a "
+         "tokenizer: token ids in and out); set rollout.openai_api=false"),
+        (cfg.transport.load == "layerwise", "transport.load='layerwise'",
+         "SGLang has no layerwise reload; use 'direct' or 'auto'"),
+    ]
+    for refused, what, why in refusals:
+        _check(not refused, f"{what} with rollout.engine='sglang': {why}")
+
+
 def _check_devices(cfg: Config, mode: str) -> None:
     """GPUs per rank, tensor parallelism, the transport backend on shared GPUs, CPU affinity."""
     t, r, tr = cfg.trainer, cfg.rollout, cfg.transport
@@ -315,6 +341,6 @@ def _is_ip(text: str) -> bool:
     return True
 
 
-CHECKS = (_check_sampling, _check_devices, _check_strings, _check_storage, _check_control, _check_model,
+CHECKS = (_check_sampling, _check_engine, _check_devices, _check_strings, _check_storage, _check_control, _check_model,
           _check_task, _check_batches, _check_trackers)
 """One check per concern, in this order, after RANGES."""

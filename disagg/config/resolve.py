@@ -7,9 +7,16 @@ from disagg.errors import ConfigError
 
 
 def resolve_device(cfg: Config) -> str:
-    """'cpu' or 'cuda' for this run's bundles."""
-    if cfg.cluster.device != "auto":
-        return cfg.cluster.device
+    """'cpu' or 'cuda' for this run's bundles; a ConfigError where ``rollout.engine`` cannot run on it
+    (before Ray starts: every run resolves its device first)."""
+    device = cfg.cluster.device if cfg.cluster.device != "auto" else _detect_device()
+    if device == "cpu" and cfg.rollout.engine == "sglang":
+        raise ConfigError(f"rollout.engine='sglang' with cluster.device={cfg.cluster.device!r} resolved to 'cpu': "
+                          "SGLang publishes no CPU build; run it on GPUs (or use rollout.engine=vllm)")
+    return device
+
+
+def _detect_device() -> str:
     try:
         import torch
 

@@ -96,8 +96,11 @@ class TrainerConfig:
 
 @dataclass(frozen=True)
 class RolloutConfig:
+    engine: Literal["vllm", "sglang"] = "vllm"
+    """The inference engine each engine actor runs: 'vllm', or 'sglang' (GPUs only: SGLang publishes
+    no CPU build; what it maps or refuses of the options below: ``disagg/rollout/sglang/__init__.py``)."""
     num_engines: int = 1
-    """vLLM engines (Ray actors) in the rollout placement group."""
+    """Inference engines (Ray actors) in the rollout placement group."""
     tensor_parallel_size: int = 1
     """Bundles (GPUs) per engine."""
     load_format: Literal["dummy", "auto"] = "dummy"
@@ -154,8 +157,9 @@ class RolloutConfig:
     wait_log_interval_s: float = 10.0
     """Period of progress logs for long waits."""
     vllm_log_level: str = "ERROR"
-    """vLLM's own log level in the engines (its layerwise reload warns on every sync about
-    weight-less layers such as rotary embeddings and a tied lm_head)."""
+    """The engine's own log level in the engines (vLLM's; SGLang's ``log_level`` with rollout.engine=sglang).
+    vLLM's layerwise reload warns on every sync about weight-less layers such as rotary embeddings and
+    a tied lm_head."""
     scheduler: Literal["stream", "batch"] = "stream"
     """'stream': keep up to max_inflight_groups prompt groups generating and hand the trainer the
     first complete groups (unfinished ones carry over); 'batch': submit a step's groups together

@@ -1,4 +1,5 @@
-"""The rollout engine: one Ray actor running vLLM's AsyncLLM.
+"""The rollout engine: one Ray actor running an inference engine (``rollout.engine``: vLLM's
+AsyncLLM, or SGLang's Engine) behind the engine seam (``rollout/backend.py``).
 
 The engine starts on dummy weights and must never answer a request with them:
 every generation waits on ``_weights_loaded``, an event only a completed weight
@@ -20,11 +21,10 @@ computed (each full block's KV from the weights that fed it, as in keep mode) an
 the new weights prefill only the last, partial block; each ``Completion.pieces``
 says how much KV a piece took over.
 
-vLLM is reached through the package ``disagg.rollout.vllm`` (imported here as ``vllm_api``,
-its ``api`` module: every call into vLLM's engine and every difference between its releases;
-``transfer``: the weight receive inside vLLM's workers); this module and its parts
-``engine_receive`` (the weight receive) and ``bench_peers`` (the benchmarks' routes) import vLLM
-itself only where they build its engine and its request types.
+The engine is reached only through its ``EngineBackend``, whose class ``disagg.rollout.engines``
+names (vLLM's in ``disagg.rollout.vllm``, SGLang's in ``disagg.rollout.sglang``); this module and
+its parts ``engine_receive`` (the weight receive) and ``bench_peers`` (the benchmarks' routes)
+import no engine.
 """
 
 from __future__ import annotations
@@ -168,13 +168,13 @@ class EngineActor(EngineSync, EnginePeers):
 
     # ---- lifecycle -------------------------------------------------------------------
     async def start(self) -> dict[str, Any]:
-        """Start AsyncLLM (dummy weights unless load_format=auto). Returns start info."""
+        """Start the engine (``rollout.engine``; dummy weights unless load_format=auto). Returns start info."""
         import ray
 
-        from disagg.rollout.vllm.backend import VllmBackend
+        from disagg.rollout.engines import backend_class
 
         t0 = time.perf_counter()
-        self._engine = VllmBackend.start(self.cfg, self.model_path, self.seed)
+        self._engine = backend_class(self.cfg.engine).start(self.cfg, self.model_path, self.seed)
         # Where each token's weight version can come from (the engine's labels, its counts at each
         # pause); keep mode needs one of them.
         self._version_sources = await self._engine.token_version_sources()

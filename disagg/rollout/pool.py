@@ -2,26 +2,22 @@
 
 Creates one ``EngineActor`` per engine (each on its own bundle(s)), starts them
 concurrently, spreads prompts across them, and drives their side of a weight
-sync. This module does not import vLLM: engines import it in their own process.
+sync. This module imports no inference engine: the engine actors import theirs
+(``rollout.engine``, ``disagg.rollout.engines``) in their own process.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from typing import Any
 
 from disagg.config import Config
 from disagg.logs import ray_get_logged
-from disagg.rollout.vllm import api as vllm_api
+from disagg.rollout import engines
 from disagg.rollout.types import GenRequest, GenResult
 
 log = logging.getLogger("disagg.rollout")
-
-# vLLM's engine core runs its model in-process instead of a further child:
-# one process less per engine on a small machine (REFERENCE.md).
-ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 class RolloutPool:
@@ -81,15 +77,7 @@ class RolloutPool:
 
         cfg, tp, eid = self.cfg, self.tp, self._next_id
         self._next_id += 1
-        env = dict(ENGINE_ENV, VLLM_LOGGING_LEVEL=cfg.rollout.vllm_log_level,
-                   **vllm_api.engine_env(self.device, cfg.rollout.enforce_eager))
-        if tp > 1:  # GPUs: vLLM's Ray executor places the TP workers on this engine's bundles
-            env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
-            env["VLLM_RAY_BUNDLE_INDICES"] = ",".join(str(b) for b in bundle_indices)
-            if self.device == "cpu":
-                # CPU: worker processes of the engine (vllm_api.executor_backend), each left to the OS's
-                # scheduler: vLLM's own binding wants a NUMA node per TP worker.
-                env["VLLM_CPU_OMP_THREADS_BIND"] = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        env = engines.actor_env(cfg.rollout, self.device, bundle_indices)
         handle = ray.remote(EngineActor).options(
             num_cpus=cfg.rollout.cpus_per_engine if tp == 1 else 0,
             num_gpus=(cfg.rollout.gpus_per_engine if self.device == "cuda" else 0) if tp == 1 else 0,

@@ -47,12 +47,12 @@ PROBE_TIMEOUT_S = 300.0
 def job(ray_session, model_cache, tmp_path_factory):
     from disagg.job import Job
     from disagg.model.warmstart import prepare_model
-    from disagg.rollout import pool
+    from disagg.rollout.vllm import api as vllm_api
 
     cfg = small_config(model_cache, rollout={"max_model_len": 64, "max_tokens": 4})
     with pytest.MonkeyPatch.context() as mp:  # vLLM registers those routes only with these set
-        mp.setitem(pool.ENGINE_ENV, "VLLM_SERVER_DEV_MODE", "1")
-        mp.setitem(pool.ENGINE_ENV, "VLLM_ALLOW_RUNTIME_LORA_UPDATING", "1")
+        mp.setitem(vllm_api.ENGINE_ENV, "VLLM_SERVER_DEV_MODE", "1")
+        mp.setitem(vllm_api.ENGINE_ENV, "VLLM_ALLOW_RUNTIME_LORA_UPDATING", "1")
         j = Job.start(cfg, tmp_path_factory.mktemp("gate-run"), prepare_model(cfg))
     yield j
     j.shutdown()

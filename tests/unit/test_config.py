@@ -64,6 +64,7 @@ def test_defaults_match_the_shipped_default_yaml():
         ({"rollout": {"load_format": "safetensors"}}, "rollout.load_format='safetensors'"),
         ({"rollout": {"load_format": "auto"}}, "rollout.load_format='auto'"),
         ({"cluster": {"device": "tpu"}}, "cluster.device='tpu'"),
+        ({"rollout": {"engine": "tensorrt"}}, "rollout.engine='tensorrt'"),
         ({"transport": {"bucket_bytes": 0}}, "transport.bucket_bytes=0"),
         ({"transport": {"first_bucket_bytes": -1}}, "transport.first_bucket_bytes=-1"),
         ({"rollout": {"max_cudagraph_capture_size": 0}}, "rollout.max_cudagraph_capture_size=0"),

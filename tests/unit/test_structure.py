@@ -102,16 +102,16 @@ def test_a_reward_or_agent_worker_process_imports_neither_torch_nor_vllm():
     assert out.stdout.split("\n")[:2] == ["[]", "True"], out.stdout + out.stderr  # the loop itself does import it
 
 
-ENGINE_PACKAGES = {"vllm": "rollout/vllm/"}
+ENGINE_PACKAGES = {"vllm": "rollout/vllm/", "sglang": "rollout/sglang/", "sgl_kernel": "rollout/sglang/"}
 """Each inference engine's own package in disagg: the only code that imports it (issue 59's seam)."""
 HARNESS = "bench/"
 """The benchmarks' harness may import an engine too: its plugin runs inside other frameworks' vLLM."""
 
 
-def _engine_imports() -> list[tuple[str, int, str]]:
+def _engine_imports(root: Path = ROOT) -> list[tuple[str, int, str]]:
     found = []
-    for path in ROOT.rglob("*.py"):
-        rel = path.relative_to(ROOT).as_posix()
+    for path in root.rglob("*.py"):
+        rel = path.relative_to(root).as_posix()
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.Import):
                 mods = [a.name for a in node.names]
@@ -127,4 +127,18 @@ def _engine_imports() -> list[tuple[str, int, str]]:
 
 
 def test_only_an_engines_own_package_imports_the_engine():
-    assert _engine_imports() == [], "import vLLM only in disagg/rollout/vllm/ (its calls go in api.py)"
+    assert _engine_imports() == [], "import vLLM only in disagg/rollout/vllm/, SGLang only in disagg/rollout/sglang/"
+
+
+def test_the_engine_rule_catches_an_sglang_import_outside_its_package(tmp_path):
+    """The rule reads SGLang's names too: ``import sglang`` or ``from sgl_kernel import`` (in a function
+    too) anywhere else is found; inside SGLang's package it is not, nor is vLLM's there allowed."""
+    files = {"rollout/pool_extra.py": "import sglang\n",
+             "trainer/x.py": "def f():\n    from sgl_kernel import ops\n",
+             "rollout/sglang/extra.py": "from sglang.srt.managers.io_struct import RpcReqInput\nimport vllm\n"}
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    found = sorted((rel, mod) for rel, _, mod in _engine_imports(tmp_path))
+    assert found == [("rollout/pool_extra.py", "sglang"), ("rollout/sglang/extra.py", "vllm"),
+                     ("trainer/x.py", "sgl_kernel")]

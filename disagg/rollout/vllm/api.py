@@ -58,6 +58,7 @@ import asyncio
 import dataclasses
 import importlib
 import inspect
+import os
 from typing import Any
 
 from disagg.errors import ConfigError, RolloutError
@@ -140,6 +141,25 @@ def engine_env(device: str, enforce_eager: bool) -> dict[str, str]:
     if device == "cpu" and enforce_eager:
         return {"TORCH_COMPILE_DISABLE": "1"}
     return {}
+
+
+ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+"""Every vLLM engine actor's: its engine core runs the model in-process instead of in a further child,
+one process less per engine on a small machine (REFERENCE.md)."""
+
+
+def actor_env(device: str, cfg, bundle_indices: list[int]) -> dict[str, str]:
+    """The environment of an engine actor running vLLM (``rollout.engines``): ``ENGINE_ENV``, ``engine_env``,
+    and with tensor parallelism where vLLM's workers go: on GPUs its Ray executor places them on the
+    engine's ``bundle_indices``; on CPU they are worker processes of the engine (``executor_backend``),
+    each left to the OS's scheduler, where vLLM's own binding wants a NUMA node per TP worker."""
+    env = dict(ENGINE_ENV, **engine_env(device, cfg.enforce_eager))
+    if cfg.tensor_parallel_size > 1:
+        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
+        env["VLLM_RAY_BUNDLE_INDICES"] = ",".join(str(b) for b in bundle_indices)
+        if device == "cpu":
+            env["VLLM_CPU_OMP_THREADS_BIND"] = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    return env
 
 
 def fork_engine_core() -> None:
