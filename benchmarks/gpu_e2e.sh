@@ -30,6 +30,15 @@
 # the bundle (28 MiB) and the working tree (~9 MiB) pass a call's 64 MiB together (refused on
 # 2026-11-29): carry the bundle in a call of its own that moves it to /tmp/bundle.tar.xz, where
 # this script finds it too.
+#
+# ENGINE=sglang (default vllm): the engines run SGLang 0.5.17 (rollout.engine=sglang). Carry its site
+# as well (../shared/tools/device-sglang's piece: .device/sglang, or moved to /tmp/sglang-site.tar.xz);
+# it is unpacked into /tmp/site_sgl and put first on PYTHONPATH for these runs only (flashinfer there
+# may change vLLM's kernel choices). `train` gets rollout.engine=sglang rollout.openai_api=false (SGLang
+# serves no OpenAI API behind disagg's gate; a `bench` takes them where it takes `train` overrides), and
+# `tests` runs tests/gpu/test_sglang_engine.py unless tests are named. The disagg wheel in .whl/ must be
+# built from this tree: its entry point sglang.srt.plugins/disagg puts disagg's methods on SGLang's
+# scheduler (disagg/rollout/sglang/plugin.py).
 set -uo pipefail
 stage=${1:?usage: gpu_e2e.sh tests | train NAME ARGS...}
 out=${OUT:-bench-out}
@@ -61,6 +70,18 @@ if [ -f "$peers" ] && [ ! -d /tmp/site_peers/verl ]; then
   mv /tmp/site_peers/trl /tmp/site_peers/trl-*.dist-info /tmp/site_trl/ || exit 2
 fi
 export PYTHONPATH="/tmp/site:$PWD"
+engine_args=()
+if [ "${ENGINE:-vllm}" = sglang ]; then
+  sgl=.device/sglang/sglang-site.tar.xz; [ -f "$sgl" ] || sgl=/tmp/sglang-site.tar.xz
+  if [ ! -d /tmp/site_sgl/sglang ]; then
+    mkdir -p /tmp/site_sgl && tar -xJf "$sgl" -C /tmp/site_sgl || { echo "no SGLang site at $sgl" >&2; exit 2; }
+  fi
+  export PYTHONPATH="/tmp/site_sgl:$PYTHONPATH"
+  engine_args=(rollout.engine=sglang rollout.openai_api=false)
+  python3 -c "import sglang, sgl_kernel; print('sglang', sglang.__version__)" || exit 2
+elif [ "${ENGINE:-vllm}" != vllm ]; then
+  echo "ENGINE=$ENGINE: vllm or sglang" >&2; exit 2
+fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, vllm, ray; print('torch', torch.__version__, 'vllm', vllm.__version__, 'ray', ray.__version__, 'gpus', torch.cuda.device_count())"
 
@@ -69,6 +90,7 @@ case "$stage" in
     # tests/gpu unless the arguments name tests of their own (q33's `enginetests` named three and ran
     # the whole suite besides them: 12.6 minutes of a 30-minute lease, 2026-11-30)
     where=tests/gpu
+    [ "${ENGINE:-vllm}" = sglang ] && where=tests/gpu/test_sglang_engine.py
     for a in "${@:2}"; do case "$a" in tests/*) where= ;; esac; done
     timeout "${TEST_LIMIT_S:-540}" python3 -m pytest -q -s -p no:cacheprovider --durations=20 $where "${@:2}" 2>&1 \
       | grep -v "nanobind\|leaked \|skipped remainder" | tee "$out/${TESTS_NAME:-gpu_tests}.log"
@@ -77,7 +99,7 @@ case "$stage" in
     name=${2:?train needs a NAME}
     shift 2
     timeout "${TRAIN_LIMIT_S:-540}" python3 -m disagg train logging.root_dir=/tmp/runs "hydra.run.dir=/tmp/runs/$name" \
-      "$@" 2>&1 | grep -v "nanobind\|leaked \|skipped remainder" | tee "$out/$name.log"
+      "${engine_args[@]}" "$@" 2>&1 | grep -v "nanobind\|leaked \|skipped remainder" | tee "$out/$name.log"
     rc=${PIPESTATUS[0]}
     for f in metrics.jsonl reward.png config.json; do
       [ -f "/tmp/runs/$name/$f" ] && cp "/tmp/runs/$name/$f" "$out/$name.$f"

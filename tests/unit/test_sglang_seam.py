@@ -7,10 +7,12 @@ over a real gloo group into the live parameters, bit for bit."""
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import json
+import sys
 from concurrent.futures import ThreadPoolExecutor
-from types import SimpleNamespace
+from types import ModuleType, SimpleNamespace
 
 import pytest
 import torch
@@ -208,3 +210,86 @@ def test_the_scheduler_refuses_an_unknown_call_and_a_layerwise_load(tmp_path):
     assert _call(sched, tmp_path, "disagg_set_load_mode", "auto") == "direct"
     with pytest.raises(ValueError, match="SGLang does not have"):
         sched.disagg_call(method="disagg_set_load_mode", args=json.dumps(["layerwise"]), reply=str(tmp_path / "y"))
+
+
+# ---- requests through a stand-in of SGLang's tokenizer manager ------------------------------------
+class _TokenizerManager:
+    """What the backend uses of SGLang's tokenizer manager, with its scheduler's abort rule: an abort
+    names a prefix (``req.rid.startswith``, scheduler.py:4457), and a running request ends at its next
+    step with that step's token, sampled by the weights loaded then (``weights``)."""
+
+    def __init__(self) -> None:
+        self.rid_to_state: dict[str, dict] = {}
+        self.weights = 1
+
+    async def generate_request(self, obj, request):
+        state = self.rid_to_state[obj.rid] = {"aborted": False}
+        ids = []
+        while True:
+            await asyncio.sleep(0.005)
+            ids.append(self.weights)
+            if state["aborted"] or len(ids) == obj.sampling_params["max_new_tokens"]:
+                break
+        del self.rid_to_state[obj.rid]
+        reason = {"type": "abort"} if state["aborted"] else {"type": "length"}
+        yield _out(ids, [-0.5] * len(ids), reason)
+
+    def abort_request(self, rid: str) -> None:
+        for name, state in self.rid_to_state.items():
+            if name.startswith(rid):
+                state["aborted"] = True
+
+
+@pytest.fixture
+def sglang_stand_in(monkeypatch):
+    """SGLang's request types, as the backend imports them, without SGLang."""
+    io = ModuleType("sglang.srt.managers.io_struct")
+    io.GenerateReqInput = lambda **kw: SimpleNamespace(**kw)
+    tm = ModuleType("sglang.srt.managers.tokenizer_manager")
+    tm.RequestAbortedError = type("RequestAbortedError", (ValueError,), {})
+    for name, module in (("sglang", ModuleType("sglang")), ("sglang.srt", ModuleType("sglang.srt")),
+                         ("sglang.srt.managers", ModuleType("sglang.srt.managers")),
+                         ("sglang.srt.managers.io_struct", io), ("sglang.srt.managers.tokenizer_manager", tm)):
+        monkeypatch.setitem(sys.modules, name, module)
+
+
+def test_an_abort_ends_only_its_request_and_returns_once_its_last_token_is_sampled(sglang_stand_in):
+    tm = _TokenizerManager()
+    backend = SglangBackend(SimpleNamespace(tokenizer_manager=tm), "stand-in", load_config(GPU_SGLANG).rollout)
+    params = backend.sampling(n=1, max_tokens=40, temperature=1.0, top_p=1.0, seed=None, ignore_eos=True)
+
+    async def main():
+        # "gen-1" is a prefix of "gen-10": SGLang's abort of the one must not reach the other
+        one = await backend.submit("gen-1", [1, 2], params, "v1")
+        ten = await backend.submit("gen-10", [1, 2], params, "v1")
+        await asyncio.sleep(0.05)
+        await backend.abort(["gen-1"])
+        tm.weights = 2  # what a sync loads right after the abort returned
+        return await backend.final_output(one), await backend.final_output(ten)
+
+    aborted, other = asyncio.run(main())
+    (a,), (o,) = aborted.samples, other.samples
+    assert a.finish_reason == "abort" and a.token_ids and set(a.token_ids) == {1}, a.token_ids
+    assert o.finish_reason == "length" and len(o.token_ids) == 40 and 2 in o.token_ids
+    assert backend.num_unfinished() == 0 and backend.sample_of("0:gen-1", {"gen-1"}) == ("gen-1", 0)
+
+
+def test_the_plugin_entry_point_puts_disaggs_calls_on_sglangs_scheduler(monkeypatch):
+    """pyproject's ``sglang.srt.plugins`` entry point names the hook SGLang's loader runs in each
+    scheduler process; run against a stand-in ``Scheduler`` class, it gives that class ``disagg_call``
+    and every call it dispatches to."""
+    import importlib
+    import tomllib
+    from pathlib import Path
+
+    project = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"]
+    module, _, name = project["entry-points"]["sglang.srt.plugins"]["disagg"].partition(":")
+    scheduler = ModuleType("sglang.srt.managers.scheduler")
+    scheduler.Scheduler = type("Scheduler", (), {})
+    for mod_name in ("sglang", "sglang.srt", "sglang.srt.managers"):
+        monkeypatch.setitem(sys.modules, mod_name, ModuleType(mod_name))
+    monkeypatch.setitem(sys.modules, "sglang.srt.managers.scheduler", scheduler)
+    getattr(importlib.import_module(module), name)()
+    from disagg.rollout.sglang.hook import CALLS
+
+    assert all(callable(getattr(scheduler.Scheduler, m, None)) for m in ("disagg_call", *CALLS))
