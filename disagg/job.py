@@ -74,13 +74,17 @@ class Job:
         t0 = time.perf_counter()
         # The engines start while the trainer's workers load the model (on GPUs a large model's load
         # overlaps vLLM's profiling and cache set-up), except where they share a GPU: vLLM sizes its
-        # KV cache from the memory free while it profiles, which a loading trainer would change.
+        # KV cache from the memory free while it profiles, which a loading trainer would change. There
+        # only the workers' processes start beside the engines (imports; no GPU memory), and their
+        # model loads once the engines are up.
         shared_gpu = device == "cuda" and shares_gpus(cfg)
         self.rollout = RolloutPool(cfg, self.pools.rollout_pg, device, str(self.model_path), self.control_client(),
-                                   label_selector=self.pools.rollout_label_selector, wait=shared_gpu,
+                                   label_selector=self.pools.rollout_label_selector, wait=False,
                                    api_key=self.api_key)
-        self.trainer = TrainerGroup(cfg, self.pools.trainer_pg, device, str(self.model_path))
+        self.trainer = TrainerGroup(cfg, self.pools.trainer_pg, device, str(self.model_path), setup=not shared_gpu)
         self.rollout.wait_started()
+        if shared_gpu:
+            self.trainer.setup()
         self.engine_start_s = [i["start_s"] for i in self.rollout.start_info]
         log.info("pools up in %.1fs (engine start %s s)", time.perf_counter() - t0,
                  ", ".join(f"{s:.1f}" for s in self.engine_start_s))

@@ -22,7 +22,7 @@ log = logging.getLogger("disagg.trainer")
 
 
 class TrainerGroup:
-    def __init__(self, cfg: Config, pg, device: str, model_path: str):
+    def __init__(self, cfg: Config, pg, device: str, model_path: str, setup: bool = True):
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -50,8 +50,17 @@ class TrainerGroup:
                      cfg.logging.level, cfg.model.cache_dir)
             for i in range(n)
         ]
+        self.num_parameters = 0
+        if setup:
+            self.setup()
+
+    def setup(self) -> None:
+        """Every worker loads the model and optimizer (and joins the trainer group when sharded). Apart
+        from the workers' start (their processes and imports, which touch no GPU) where a GPU is
+        shared with engines: ``Job`` starts the workers beside the engines and sets them up once
+        the engines have sized their caches."""
         master_addr = master_port = None
-        if n > 1:
+        if len(self.workers) > 1:
             master_addr = self._get(self.workers[0].node_ip.remote(), "trainer rank 0 address")
             master_port = self._get(self.workers[0].free_port.remote(), "trainer rank 0 port")
         info = self._get([w.setup.remote(master_addr, master_port) for w in self.workers], "trainer setup")

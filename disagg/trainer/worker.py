@@ -53,7 +53,9 @@ class TrainerWorker(TrainerPush, TrainerPeers):
         self.cache_dir = cache_dir  # model.cache_dir: this node's copies of checkpoints at URLs
         self.cfg, self.algo, self.transport_cfg = cfg, algo, transport
         self.temperature = temperature
-        self.device = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+        # Ray makes the worker's GPU its first visible device; asking torch which one it is would
+        # initialise CUDA, here where a GPU shared with engines must see no allocation before setup.
+        self.device = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
         if device == "cpu":
             torch.set_num_threads(cfg.torch_threads)
             pin_process(cfg.cpu_affinity, f"trainer worker {rank}")

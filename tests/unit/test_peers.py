@@ -228,6 +228,27 @@ def test_ratios_compare_disaggs_best_run_with_each_peer():
     assert ratios(entries) == {"tokens_per_s disagg/trl:colocate": 4.0, "seconds_to_0.9 disagg/trl:colocate": 0.5}
 
 
+def test_a_disagg_run_that_trained_another_job_is_not_compared_and_says_why():
+    """The 0.5B heavy tail at staleness 1 (H100, 2026-12-07): disagg's async run dropped every long
+    group as too stale and trained 128-token responses where TRL trained 428: its 3.01x was not a ratio."""
+    from disagg.bench.peers.bench import ratios, render
+
+    trl = {"framework": "trl", "mode": "colocate", "trained_tokens_per_s": 4015.0, "response_tokens_per_sample": 428.0}
+    dropped = {"framework": "disagg", "mode": "async", "trained_tokens_per_s": 12071.0,
+               "response_tokens_per_sample": 128.0, "samples_dropped": 176}
+    shorter = dict(dropped, samples_dropped=0)
+    kept = {"framework": "disagg", "mode": "sync", "trained_tokens_per_s": 7550.0,
+            "response_tokens_per_sample": 410.0, "samples_dropped": 0}
+    out = ratios([dropped, shorter, kept, trl])
+    assert out["tokens_per_s disagg/trl:colocate"] == 7550.0 / 4015.0  # the fastest run of the same job
+    assert out["not compared"] == ["disagg:async vs trl:colocate: disagg:async dropped 176 samples as too stale",
+                                   "disagg:async vs trl:colocate: disagg:async trained 128 tokens a response, "
+                                   "trl:colocate 428"]
+    assert ratios([dropped, trl]) == {"not compared": out["not compared"][:1]}
+    report = {"shape": "qwen2.5-0.5b", "card": "1 x H100", "engine": "vLLM 0.26.0", "runs": [], "ratios": out}
+    assert render(report).splitlines()[-2:] == [f"not compared: {why}" for why in out["not compared"]]
+
+
 def test_a_written_job_round_trips(tiny_job):
     from disagg.bench.peers.job import load_job
 

@@ -147,7 +147,7 @@ def test_on_cpu_the_engine_core_is_forked_and_the_start_method_is_read_from_its_
     from disagg.rollout.vllm.api import engine_core_start, fork_engine_core
 
     monkeypatch.setattr(engine_utils, "get_mp_context", engine_utils.get_mp_context)  # restored after
-    fork_engine_core()
+    assert fork_engine_core() == "cpu"
     patched = engine_utils.get_mp_context
     fork_engine_core()  # once only: vLLM's function is replaced, the replacement is kept
     assert engine_utils.get_mp_context is patched
@@ -159,6 +159,19 @@ def test_on_cpu_the_engine_core_is_forked_and_the_start_method_is_read_from_its_
         multiprocessing.get_context("spawn").Process(target=print)]))))
     assert engine_core_start(spawned) == "spawn"
     assert engine_core_start(NS(engine_core=NS(resources=NS(engine_manager=None)))) == ""
+
+
+@pytest.mark.parametrize("cpu,tp,cuda_initialized,forks", [
+    (True, 1, False, True), (True, 2, False, True),  # CPU: the engine core forks whatever the workers
+    (False, 1, False, True),  # a GPU engine of one worker whose actor has not touched CUDA
+    (False, 1, True, False),  # a CUDA context does not survive a fork
+    (False, 2, False, False),  # vLLM's Ray executor would use Ray from the forked child
+])
+def test_the_engine_core_forks_only_where_its_child_can_run_without_the_actors_cuda_or_ray(cpu, tp, cuda_initialized,
+                                                                                          forks):
+    from disagg.rollout.vllm.api import fork_reason
+
+    assert (fork_reason(cpu, tp, cuda_initialized) is not None) is forks
 
 
 def test_a_finished_vllm_request_reaches_the_actor_in_its_own_terms():

@@ -248,24 +248,44 @@ def _run_one(i: int, fw: str, mode: str, correction: str | None, *, o, job, file
     return entry
 
 
-def ratios(entries: list[dict[str, Any]]) -> dict[str, float]:
-    """disagg's best run against each peer run: trained tokens/s (higher is better) and seconds to a reward
-    of 0.9 (lower is better: the ratio is disagg's over the peer's)."""
+SAME_JOB_TOLERANCE = 0.15
+"""Mean trained response length two runs may differ by and still count as the same job (sampling)."""
+
+
+def not_the_same_job(ours: dict[str, Any], peer: dict[str, Any]) -> str | None:
+    """Why disagg's run ``ours`` did not train the job ``peer`` trained (None: it did): samples dropped as
+    too stale, or trained responses of another mean length (a heavy tail cut off)."""
+    if ours.get("samples_dropped"):
+        return f"{ours['framework']}:{ours['mode']} dropped {ours['samples_dropped']} samples as too stale"
+    a, b = ours.get("response_tokens_per_sample"), peer.get("response_tokens_per_sample")
+    if a and b and abs(a - b) > SAME_JOB_TOLERANCE * b:
+        return (f"{ours['framework']}:{ours['mode']} trained {a:.0f} tokens a response, "
+                f"{peer['framework']}:{peer['mode']} {b:.0f}")
+    return None
+
+
+def ratios(entries: list[dict[str, Any]]) -> dict[str, Any]:
+    """disagg's best run against each peer run that trained the same job (``not_the_same_job``): trained
+    tokens/s (higher is better) and seconds to a reward of 0.9 (lower is better: the ratio is disagg's
+    over the peer's). A pair not compared is named under ``not compared`` with why."""
     ok = [e for e in entries if "trained_tokens_per_s" in e]
     ours = [e for e in ok if e["framework"] == "disagg"]
-    if not ours:
-        return {}
-    best = max(ours, key=lambda e: e["trained_tokens_per_s"])
-    out = {}
+    out: dict[str, Any] = {}
+    skipped: list[str] = []
     for e in ok:
         if e["framework"] == "disagg":
             continue
         key = f"{e['framework']}:{e['mode']}"
-        if e["trained_tokens_per_s"] > 0:
+        same = [x for x in ours if not_the_same_job(x, e) is None]
+        skipped += [f"{x['framework']}:{x['mode']} vs {key}: {not_the_same_job(x, e)}" for x in ours if x not in same]
+        if same and e["trained_tokens_per_s"] > 0:
+            best = max(same, key=lambda x: x["trained_tokens_per_s"])
             out[f"tokens_per_s disagg/{key}"] = best["trained_tokens_per_s"] / e["trained_tokens_per_s"]
-        reached = [x["seconds_to_reward_0_9"] for x in ours if x.get("seconds_to_reward_0_9") is not None]
+        reached = [x["seconds_to_reward_0_9"] for x in same if x.get("seconds_to_reward_0_9") is not None]
         if reached and e.get("seconds_to_reward_0_9"):
             out[f"seconds_to_0.9 disagg/{key}"] = min(reached) / e["seconds_to_reward_0_9"]
+    if skipped:
+        out["not compared"] = skipped
     return out
 
 
@@ -290,8 +310,10 @@ def render(report: dict[str, Any]) -> str:
             f"{e['trained_tokens_per_s']:>9.0f} {e['samples_per_s']:>7.1f} {e['sync_blocked_s']:>7.3f} "
             f"{_fmt(e.get('engine_idle_share'), '.2f'):>5} {_fmt(e.get('mismatch_mean'), '.3f'):>6} "
             f"{_fmt(e.get('seconds_to_reward_0_9'), '.1f'):>9} {e['reward_first']:>6.3f}->{e['reward_last']:.3f}")
-    if report["ratios"]:
-        lines.append("ratios: " + ", ".join(f"{k} {v:.2f}x" for k, v in report["ratios"].items()))
+    numbers = {k: v for k, v in report["ratios"].items() if k != "not compared"}
+    if numbers:
+        lines.append("ratios: " + ", ".join(f"{k} {v:.2f}x" for k, v in numbers.items()))
+    lines += [f"not compared: {why}" for why in report["ratios"].get("not compared", [])]
     return "\n".join(lines)
 
 

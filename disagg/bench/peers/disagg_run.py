@@ -80,6 +80,7 @@ def collect(run: PeerRun) -> list[dict[str, Any]]:
             "gen_s": r["timing/rollout_s"],
             "mismatch_mean": r.get("train/logprob_mismatch_mean"), "mismatch_max": r.get("train/logprob_mismatch_max"),
             "masked_share": r.get("train/clip_frac"),
+            "dropped": r.get("samples/dropped_stale", 0),  # so far in the run (samples too stale to train)
         })
     return out
 

@@ -250,6 +250,9 @@ def summarise(run: PeerRun, result: RunResult, *, shape: str, card: str, engine:
         "step_s_mean": wall / len(measured),
         "sync_blocked_s": statistics.mean(s["sync_s"] for s in measured),
         "tokens_per_step": statistics.mean(s["tokens"] for s in measured),
+        # the job as trained: a run that dropped samples (too stale) or trained other lengths did another job
+        "response_tokens_per_sample": sum(s["tokens"] for s in measured) / max(1, sum(s["samples"] for s in measured)),
+        "samples_dropped": max(s.get("dropped", 0) for s in steps),
         "reward_first": statistics.mean(s["reward"] for s in steps[: max(1, len(steps) // 10)]),
         "reward_last": statistics.mean(s["reward"] for s in steps[-max(1, len(steps) // 10):]),
     })

