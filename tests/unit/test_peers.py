@@ -198,6 +198,11 @@ def test_runs_take_each_frameworks_best_mode_for_the_gpus_and_fall_back_in_order
         [("verl", "colocate", None), ("verl", "legacy", None)], [("disagg", "sync", "tis")]]
     with pytest.raises(ValueError, match="'trl:sync'"):
         parse_runs("trl:sync", 1)
+    assert parse_runs("disagg:async4", 1) == [[("disagg", "async4", None)]]
+    for bad in ("disagg:async0", "disagg:asyncx", "disagg:colocate"):
+        with pytest.raises(ValueError, match=f"'{bad}'.*sync, async or asyncN"):
+            parse_runs(bad, 1)
+
     with pytest.raises(ValueError, match="'verl::tis'"):
         parse_runs("verl::tis", 1)
     assert parse_tail("4,16,0.25") == {"tail_short": 4, "tail_long": 16, "tail_fraction": 0.25}
@@ -205,6 +210,15 @@ def test_runs_take_each_frameworks_best_mode_for_the_gpus_and_fall_back_in_order
         parse_tail("16,4,0.1")
     job = default_job("tiny", **parse_tail("4,16,0.25"))
     assert job.max_tokens == 16 and Lengths.parse(job.lengths_spec).long == 16
+
+
+@pytest.mark.parametrize("mode,staleness", [("sync", 0), ("async", 1), ("async4", 4), ("async12", 12)])
+def test_disaggs_modes_set_its_staleness(tiny_job, tmp_path, mode, staleness):
+    from disagg.bench.peers import disagg_run
+
+    job, files = tiny_job
+    args = disagg_run.overrides(job, files, 1, mode, tmp_path / "run")
+    assert f"algorithm.max_staleness={staleness}" in args
 
 
 def test_a_failed_runs_log_keeps_its_first_error_and_its_end(tmp_path):

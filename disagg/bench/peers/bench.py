@@ -63,7 +63,12 @@ def parse_runs(spec: str, gpus: int) -> list[list[Run]]:
                 raise ValueError(f"--runs: {alt!r}: expected framework[:mode[:correction]] with framework one of "
                                  f"{', '.join(FRAMEWORKS)}")
             mode = parts[1] if len(parts) > 1 and parts[1] else best[fw]
-            if mode not in modes[fw]:
+            if fw == "disagg":
+                try:
+                    disagg_run.staleness(mode)
+                except ValueError as e:
+                    raise ValueError(f"--runs: {alt!r}: {e}") from None
+            elif mode not in modes[fw]:
                 raise ValueError(f"--runs: {alt!r}: {fw} modes are {', '.join(modes[fw])}")
             correction = parts[2] if len(parts) > 2 else None
             if correction is not None and fw != "disagg":
@@ -356,7 +361,7 @@ def main(argv: list[str]) -> int:
                    help="tiny (the default task, warm-started) | qwen2.5-0.5b | qwen2.5-1.5b")
     p.add_argument("--runs", default="disagg,trl,verl",
                    help="framework[:mode[:correction]], comma-separated (default disagg,trl,verl in their best "
-                        "modes for the GPUs here); modes: disagg sync|async, trl colocate|server, verl "
+                        "modes for the GPUs here); modes: disagg sync|async|asyncN (staleness N), trl colocate|server, verl "
                         "colocate|separate_async|one_step_off; disagg's correction: ppo|tis|decoupled")
     p.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: all visible)")
     p.add_argument("--device", default="auto", help="cpu | cuda | auto")

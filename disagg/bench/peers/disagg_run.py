@@ -1,7 +1,8 @@
 """disagg's run of the peers job: ``disagg train`` with the job's files and settings.
 
 Modes: ``sync`` (``algorithm.max_staleness=0``, the default: on-policy, engines armed during the
-step) and ``async`` (``max_staleness=1``: the next batch generates while this one trains). One GPU:
+step), ``async`` (``max_staleness=1``: the next batch generates while this one trains) and ``asyncN``
+(``max_staleness=N``). One GPU:
 ``cluster=one_gpu`` (trainer and engine share it, sync over gloo); two or more: ``cluster=gpu``
 (NCCL). CPU: the bench's own tests.
 """
@@ -16,13 +17,21 @@ from typing import Any
 from disagg.bench.peers.job import JobFiles, PeerJob
 from disagg.bench.peers.runs import PeerRun
 
-MODES = {"sync": 0, "async": 1}
+MODES = ("sync", "async", "asyncN")
+
+
+def staleness(mode: str) -> int:
+    """``algorithm.max_staleness`` of a mode (pure): ``sync`` 0, ``async`` 1, ``asyncN`` N (a heavy tail
+    needs a staleness that covers its longest responses, or its long groups are dropped as too stale)."""
+    m = re.fullmatch(r"sync|async(\d*)", mode)
+    if m is None or m[1] == "0":
+        raise ValueError(f"disagg mode must be sync, async or asyncN (N >= 1: the staleness), got {mode!r}")
+    return 0 if mode == "sync" else int(m[1] or 1)
 
 
 def overrides(job: PeerJob, files: JobFiles, gpus: int, mode: str, run_dir: Path) -> list[str]:
     """The ``disagg train`` overrides that make the job (pure)."""
-    if mode not in MODES:
-        raise ValueError(f"disagg mode must be one of {', '.join(MODES)}, got {mode!r}")
+    max_staleness = staleness(mode)
     out = []
     if gpus == 1:
         out += ["cluster=one_gpu", f"rollout.gpu_memory_utilization={job.gpu_memory_utilization}"]
@@ -36,7 +45,7 @@ def overrides(job: PeerJob, files: JobFiles, gpus: int, mode: str, run_dir: Path
         f"model.path={files.model}", f"data.train_files=[{files.train_jsonl}]", "data.shuffle=false",
         "data.add_bos=true", "reward.path=disagg.bench.peers.job_reward:score_row",
         f"algorithm.group_size={job.group_size}", f"algorithm.prompts_per_step={job.prompts_per_step}",
-        f"algorithm.clip_eps={job.clip_eps}", f"algorithm.max_staleness={MODES[mode]}", "algorithm.kl_coef=0.0",
+        f"algorithm.clip_eps={job.clip_eps}", f"algorithm.max_staleness={max_staleness}", "algorithm.kl_coef=0.0",
         "algorithm.num_minibatches=1", f"trainer.lr={job.lr}", "trainer.warmup_steps=0", "trainer.weight_decay=0.0",
         "trainer.betas=[0.9,0.999]", f"trainer.grad_clip={job.grad_clip}", f"trainer.total_steps={job.steps}",
         f"rollout.max_tokens={job.max_tokens}", f"rollout.max_model_len={job.max_model_len}",
@@ -70,7 +79,7 @@ def collect(run: PeerRun) -> list[dict[str, Any]]:
     from disagg.bench.peers.runs import read_steps
 
     out = []
-    sync = run.mode == "sync"  # on-policy: the next step's generation waits for the sync
+    sync = staleness(run.mode) == 0  # on-policy: the next step's generation waits for the sync
     for r in read_steps(run.out / "run" / "metrics.jsonl"):
         samples = r["samples/trained"]
         out.append({
