@@ -34,8 +34,8 @@
 # ENGINE=sglang (default vllm): the engines run SGLang 0.5.17 (rollout.engine=sglang). Carry its site
 # as well (../shared/tools/device-sglang's piece: .device/sglang, or moved to /tmp/sglang-site.tar.xz);
 # it is unpacked into /tmp/site_sgl and put first on PYTHONPATH for these runs only (flashinfer there
-# may change vLLM's kernel choices). `train` gets rollout.engine=sglang rollout.openai_api=false (SGLang
-# serves no OpenAI API behind disagg's gate; a `bench` takes them where it takes `train` overrides), and
+# may change vLLM's kernel choices). `train` gets rollout.engine=sglang (a `bench`
+# takes it where it takes `train` overrides), and
 # `tests` runs tests/gpu/test_sglang_engine.py unless tests are named. The disagg wheel in .whl/ must be
 # built from this tree: its entry point sglang.srt.plugins/disagg puts disagg's methods on SGLang's
 # scheduler (disagg/rollout/sglang/plugin.py).
@@ -77,7 +77,7 @@ if [ "${ENGINE:-vllm}" = sglang ]; then
     mkdir -p /tmp/site_sgl && tar -xJf "$sgl" -C /tmp/site_sgl || { echo "no SGLang site at $sgl" >&2; exit 2; }
   fi
   export PYTHONPATH="/tmp/site_sgl:$PYTHONPATH"
-  engine_args=(rollout.engine=sglang rollout.openai_api=false)
+  engine_args=(rollout.engine=sglang)
   python3 -c "import sglang, sgl_kernel; print('sglang', sglang.__version__)" || exit 2
 elif [ "${ENGINE:-vllm}" != vllm ]; then
   echo "ENGINE=$ENGINE: vllm or sglang" >&2; exit 2

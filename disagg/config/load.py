@@ -110,5 +110,12 @@ def load_config(data: dict[str, Any] | None, *, check: bool = True, mode: str = 
     data.pop("hydra", None)
     if mode == "generate":
         data["rollout"] = {**(data.get("rollout") or {}), "load_format": "auto"}
-    cfg = _build(Config, data, "")
+    cfg = _with_engine_defaults(_build(Config, data, ""))
     return validate(cfg, mode) if check else cfg
+
+
+def _with_engine_defaults(cfg: Config) -> Config:
+    """``rollout.openai_api`` left null: on where the engine serves one behind the weights gate (vLLM)."""
+    if cfg.rollout.openai_api is not None:
+        return cfg
+    return dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, openai_api=cfg.rollout.engine == "vllm"))

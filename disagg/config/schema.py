@@ -166,10 +166,11 @@ class RolloutConfig:
     and wait for all of them (the synchronous pattern, for comparison)."""
     max_inflight_groups: int = 64
     """Upper bound on prompt groups generating at once (stream); admission control may allow fewer."""
-    openai_api: bool = True
+    openai_api: bool | None = None
     """Each engine serves vLLM's OpenAI API (/v1/chat/completions, /v1/completions, ...) behind the
     same weights-loaded gate, and vLLM's Prometheus metrics at /metrics; the addresses are in
-    `disagg ctl status`."""
+    `disagg ctl status`. null (the default): on where the engine has one behind the gate (vLLM), off
+    where it has none (SGLang); true with rollout.engine=sglang is refused."""
     api_host: str = "127.0.0.1"
     """Interface the OpenAI API binds to; 'node' = the node's IP (reachable from other nodes). Bound
     off loopback, every request that arrives there needs the key (api_key), the probes excepted."""

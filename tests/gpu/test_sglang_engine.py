@@ -35,7 +35,7 @@ IN_FLIGHT_TOKENS = 400  # long enough that a sync comes while the request genera
 @pytest.fixture(scope="module")
 def job(ray_session, model_cache, tmp_path_factory):
     j = start_job(model_cache, tmp_path_factory.mktemp("gpu-sglang-run"), [
-        "rollout.engine=sglang", "rollout.openai_api=false", "trainer.lr=3e-2",
+        "rollout.engine=sglang", "trainer.lr=3e-2",
         "rollout.max_model_len=1024", "model.tiny.max_position_embeddings=1024", "rollout.max_num_seqs=64",
         # smaller than an MLP weight: syncs carry tensors split over buckets
         "transport.bucket_bytes=49152", "transport.first_bucket_bytes=6144"])

@@ -175,7 +175,7 @@ def _wrong_type(t):
     text = str(t)
     if "Literal" in text:
         return "nonsense"
-    if t is bool:
+    if t is bool or text == "bool | None":
         return "maybe"
     if t in (int, float) or text in ("int | None", "float | None"):
         return "abc"

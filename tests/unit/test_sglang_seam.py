@@ -29,13 +29,16 @@ from disagg.transport.sender import WeightSender, build_manifest
 
 HOST = "127.0.0.1"
 TIMEOUT_S = 30.0
-GPU_SGLANG = {"cluster": {"device": "cuda"}, "rollout": {"engine": "sglang", "openai_api": False}}
+GPU_SGLANG = {"cluster": {"device": "cuda"}, "rollout": {"engine": "sglang"}}  # the one key that switches
 
 
 # ---- the key ---------------------------------------------------------------------------------------
 def test_sglang_on_gpus_with_its_refusals_respected_is_a_valid_config():
     cfg = load_config(GPU_SGLANG)
     assert cfg.rollout.engine == "sglang" and load_config({}).rollout.engine == "vllm"
+    # rollout.openai_api left null: on where the engine serves one behind the gate (vLLM), off for SGLang
+    assert cfg.rollout.openai_api is False and load_config({}).rollout.openai_api is True
+    assert load_config({"rollout": {"openai_api": False}}).rollout.openai_api is False
 
 
 @pytest.mark.parametrize("extra, names", [
@@ -60,7 +63,7 @@ def test_what_sglang_cannot_honour_is_refused_naming_the_option(extra, names):
 
 def test_sglang_on_a_machine_whose_auto_device_is_the_cpu_is_refused_before_ray(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    cfg = load_config({"rollout": {"engine": "sglang", "openai_api": False}})  # cluster.device=auto
+    cfg = load_config({"rollout": {"engine": "sglang"}})  # cluster.device=auto
     with pytest.raises(ConfigError, match="rollout.engine='sglang' with cluster.device='auto' resolved to 'cpu'"):
         resolve_device(cfg)
     assert resolve_device(load_config({})) == "cpu"  # vLLM runs there

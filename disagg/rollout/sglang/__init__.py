@@ -19,7 +19,7 @@ How disagg's options reach SGLang (``backend.engine_args``; refusals in ``config
   engine actor, which holds one GPU bundle); ``rollout.in_flight_at_sync=keep`` (SGLang labels no token
   with its weight version and disagg counts no paused request's tokens there: ``auto`` resolves to
   ``resubmit``); ``rollout.openai_api=true`` (SGLang's OpenAI server is not behind disagg's gate,
-  and the engine starts without a tokenizer); ``transport.load=layerwise`` (SGLang has no layerwise
+  and the engine starts without a tokenizer; left null it is off with SGLang); ``transport.load=layerwise`` (SGLang has no layerwise
   reload: loads go straight into the live parameters, ``direct``).
 
 Gaps against vLLM's backend (each a NotImplementedError or a value that says so):
