@@ -20,7 +20,8 @@ import torch
 
 from disagg.rollout.types import GenRequest, SamplingSpec
 from disagg.samples import TrainSample
-from tests.gpu.test_vllm_engine import BF16_LOGPROB_TOL, PROMPTS, _as_vllm_parameters, _ids, _layout, start_job
+from tests.gpu.test_vllm_engine import (BF16_LOGPROB_TOL, PROMPTS, _as_vllm_parameters, _ids, _layout,
+                                        first_sync_opens_the_gate, start_job)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -53,20 +54,11 @@ def _greedy(job, tok) -> list:
 
 
 def test_the_engine_waits_for_the_first_sync(job, tok):
-    import ray
-
     info = job.rollout.start_info[0]
     print(f"engine: SGLang {info['sglang_version']}, in-flight requests at a sync: {info['in_flight_at_sync']}, "
           f"layout {_layout()}, transport {job.backend}")
     assert info["in_flight_at_sync"] == "resubmit" and info["token_version_sources"] == []
-    engine = job.rollout.engines[0]
-    early = engine.generate.remote([GenRequest("early", tuple(_ids(tok, PROMPTS[0])), SamplingSpec(max_tokens=8,
-                                                                                                greedy=True))])
-    assert not ray.wait([early], timeout=5.0)[0], "answered before any weights were synced (dummy weights)"
-    sync = job.sync_weights(1, trainer_step=0)
-    (res,) = ray.get(early, timeout=300)
-    assert res.min_version == 1 and res.completions[0].response_ids
-    assert sync.bytes > 0
+    first_sync_opens_the_gate(job, tok, wait_s=5.0, timeout_s=300)
 
 
 def test_a_sync_leaves_every_sglang_parameter_the_bf16_cast_of_the_trainers_bit_for_bit(job, tok):

@@ -108,18 +108,24 @@ def _trainer_view(job, tok, served):
 
 
 def test_the_engine_waits_for_the_first_sync(job, tok):
-    import ray
-
     assert job.trainer.workers and torch.cuda.is_available()
     info = job.rollout.start_info[0]
     print(f"engine: vLLM {info['vllm_version']}, in-flight requests at a sync: {info['in_flight_at_sync']}, "
           f"layout {_layout()}, transport {job.backend}")
+    first_sync_opens_the_gate(job, tok, wait_s=3.0, timeout_s=120)
+
+
+def first_sync_opens_the_gate(job, tok, wait_s: float, timeout_s: float) -> None:
+    """A request sent before any sync stays unanswered for ``wait_s``, then the first sync (version 1)
+    lets it through (any engine's)."""
+    import ray
+
     engine = job.rollout.engines[0]
-    spec = SamplingSpec(max_tokens=8, greedy=True)
-    early = engine.generate.remote([GenRequest("early", tuple(_ids(tok, PROMPTS[0])), spec)])
-    assert not ray.wait([early], timeout=3.0)[0], "answered before any weights were synced (dummy weights)"
+    early = engine.generate.remote([GenRequest("early", tuple(_ids(tok, PROMPTS[0])),
+                                               SamplingSpec(max_tokens=8, greedy=True))])
+    assert not ray.wait([early], timeout=wait_s)[0], "answered before any weights were synced (dummy weights)"
     sync = job.sync_weights(1, trainer_step=0)
-    (res,) = ray.get(early, timeout=120)
+    (res,) = ray.get(early, timeout=timeout_s)
     assert res.min_version == 1 and res.completions[0].response_ids
     assert sync.bytes > 0
 
