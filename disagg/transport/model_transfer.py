@@ -34,7 +34,8 @@ from disagg.transport.delta import DeltaImage
 from disagg.transport.group import TransportGroup
 from disagg.transport.manifest import Manifest, TensorSpec, plan_buckets
 from disagg.transport.receiver import LoadFn, ReceiveStats, receive_delta, receive_weights
-from disagg.transport.sender import BucketFill, EarlyPack, SendStats, WeightSender, build_manifest
+from disagg.transport.packing import BucketFill
+from disagg.transport.sender import EarlyPack, SendStats, WeightSender, build_manifest
 
 SOURCES = ("gather", "shards")
 

@@ -21,49 +21,21 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from disagg import faults
-from disagg.transport.buckets import (bucket_buffers, bucket_checksum, contiguous_bucket, dtype_name, pack_bucket,
-                                     torch_dtype)
+from disagg.transport.buckets import bucket_buffers, bucket_checksum, contiguous_bucket, dtype_name, torch_dtype
 from disagg.transport.delta import BucketDelta, DeltaImage, Form, choose_form, encode, encode_marked, mark
 from disagg.transport.delta import estimate as estimate_delta
 from disagg.transport.group import TransportGroup
-from disagg.transport.manifest import DTYPE_BYTES, BucketPlan, Manifest, TensorSpec, plan_buckets
+from disagg.transport.manifest import DTYPE_BYTES, Manifest, TensorSpec, plan_buckets
+from disagg.transport.packing import BucketFill, NamedTensors, Packer, TensorSource, kept
 from disagg.transport.wire import delta_header, header_for, ints_on, table_for
 
 log = logging.getLogger(__name__)
-
-_VIEW_SETS = 4  # bucket-view sets a sender keeps (one per set of tensor addresses)
-
-NamedTensors = Mapping[str, torch.Tensor] | Callable[[], Iterable[tuple[str, torch.Tensor]]]
-
-
-def _kept(cache: dict, key: tuple, build: Callable[[], Any]) -> Any:
-    """``cache[key]``, built on a miss; the cache keeps the ``_VIEW_SETS`` newest keys."""
-    if key not in cache:
-        if len(cache) >= _VIEW_SETS:
-            cache.pop(next(iter(cache)))
-        cache[key] = build()
-    return cache[key]
-
-
-class BucketFill:
-    """Writes one bucket's elements into a buffer: ``fill(plan, buf)``.
-
-    ``slack`` is how many elements past ``plan.numel`` it may write (scratch space
-    a gather needs); every buffer handed to it is that much longer.
-    """
-
-    slack: int = 0
-
-    def __call__(self, plan: BucketPlan, buf: torch.Tensor) -> None:
-        raise NotImplementedError
-
 
 @dataclass(frozen=True)
 class SendStats:
@@ -154,59 +126,6 @@ def build_manifest(
     return plan_buckets(specs, bucket_bytes, policy_version, first_bucket_bytes)
 
 
-class _TensorSource:
-    """Hands out the tensors each bucket needs, pulling lazily from an iterator.
-
-    Tensors are kept only until the last bucket that reads them has been sent.
-    With an iterator, a tensor that arrives before it is needed (another dtype's
-    buckets come first) is held until then.
-    """
-
-    def __init__(self, manifest: Manifest, named_tensors: NamedTensors) -> None:
-        self._specs = {t.name: t for t in manifest.tensors}
-        self._last_use: dict[str, int] = {}
-        for plan in manifest.buckets:
-            for e in plan.entries:
-                self._last_use[e.name] = plan.index
-        self._held: dict[str, torch.Tensor] = {}
-        self._iter: Iterator[tuple[str, torch.Tensor]] | None = None
-        if isinstance(named_tensors, Mapping):
-            for name in self._last_use:
-                if name not in named_tensors:
-                    raise ValueError(f"tensor {name!r} is in the manifest but not in the tensors to send")
-                self._held[name] = self._checked(name, named_tensors[name])
-        else:
-            self._iter = iter(named_tensors())
-
-    def take(self, plan: BucketPlan) -> dict[str, torch.Tensor]:
-        for e in plan.entries:
-            while e.name not in self._held:
-                self._pull(e.name)
-        return {e.name: self._held[e.name] for e in plan.entries}
-
-    def release(self, plan: BucketPlan) -> None:
-        for e in plan.entries:
-            if self._last_use[e.name] == plan.index:
-                self._held.pop(e.name, None)
-
-    def _pull(self, wanted: str) -> None:
-        assert self._iter is not None
-        for name, tensor in self._iter:
-            if name in self._last_use:
-                self._held[name] = self._checked(name, tensor)
-                return
-            if name not in self._specs:
-                raise ValueError(f"tensor {name!r} is not in the manifest")
-        raise ValueError(f"tensor {wanted!r} is in the manifest but was never produced by named_tensors")
-
-    def _checked(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        spec = self._specs[name]
-        if tuple(tensor.shape) != spec.shape:
-            raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, the manifest says {spec.shape}")
-        # One copy here, not one per bucket when a non-contiguous tensor is split.
-        return tensor.contiguous()
-
-
 class WeightSender:
     """Broadcasts one policy version's buckets from rank ``src`` of ``group``.
 
@@ -278,18 +197,18 @@ class WeightSender:
                     addresses: tuple | None) -> list[torch.Tensor] | None:
         """Every bucket as a view of existing memory, or None if some bucket needs packing.
 
-        The check of names and shapes (``_TensorSource``) and the view building run on
+        The check of names and shapes (``TensorSource``) and the view building run on
         the first sync of a layout; later syncs only compare the tensors' addresses.
         """
         if addresses is None:
             return None
 
         def build():
-            source = _TensorSource(manifest, named_tensors)
+            source = TensorSource(manifest, named_tensors)
             views = [contiguous_bucket(plan, source.take(plan)) for plan in manifest.buckets]
             return None if any(v is None for v in views) else views
 
-        return _kept(self._views, addresses, build)
+        return kept(self._views, addresses, build)
 
     def _pack_views(self, manifest: Manifest, named_tensors: NamedTensors, addresses: tuple | None,
                     slots: list[dict[str, torch.Tensor]]) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]] | None:
@@ -303,7 +222,7 @@ class WeightSender:
             tensors = [named_tensors[t.name] for t in manifest.tensors]
             if not all(t.is_contiguous() for t in tensors):
                 return None
-            source = _TensorSource(manifest, named_tensors)  # checks names and shapes
+            source = TensorSource(manifest, named_tensors)  # checks names and shapes
             packs = []
             for i, plan in enumerate(manifest.buckets):
                 buf, held = slots[i % len(slots)][plan.dtype], source.take(plan)
@@ -312,7 +231,7 @@ class WeightSender:
                                for e in plan.entries]))
             return packs
 
-        return _kept(self._packs, key, build)
+        return kept(self._packs, key, build)
 
     def _buffers(self, manifest: Manifest, slack: int = 0) -> list[dict[str, torch.Tensor]]:
         key = f"{manifest.layout_digest()}+{slack}"
@@ -322,15 +241,15 @@ class WeightSender:
         return self._slots
 
     def _packer(self, manifest: Manifest, named_tensors: NamedTensors | None,
-                fill: BucketFill | None) -> "_Packer":
+                fill: BucketFill | None) -> Packer:
         """How each bucket of this send is made: a view of flat parameters, a fill, one fused copy of
         cached views, or entry by entry (``send``'s sources)."""
         addresses = self._addresses(manifest, named_tensors) if fill is None else None
         views = self._flat_views(manifest, named_tensors, addresses)
         slots = self._buffers(manifest, fill.slack if fill is not None else 0) if views is None else []
         packs = self._pack_views(manifest, named_tensors, addresses, slots) if views is None else None
-        source = _TensorSource(manifest, named_tensors) if fill is None and views is None and packs is None else None
-        return _Packer(manifest, views, slots, fill, packs, source, self._after_pack is None)
+        source = TensorSource(manifest, named_tensors) if fill is None and views is None and packs is None else None
+        return Packer(manifest, views, slots, fill, packs, source, self._after_pack is None)
 
     @torch.no_grad()
     def send(self, manifest: Manifest, named_tensors: NamedTensors | None = None,
@@ -484,13 +403,13 @@ class _Dense:
 
     def __init__(self, sender: WeightSender, manifest: Manifest, early: EarlyPack | None) -> None:
         self.sender, self.manifest, self.early = sender, manifest, early
-        self.pack: _Packer | None = None
+        self.pack: Packer | None = None
         self.made: list = []  # the buckets packed early, each (bucket, checksum)
 
     def header(self) -> list[list[int]]:
         return [header_for(self.manifest)]
 
-    def plan(self, pack: "_Packer") -> None:
+    def plan(self, pack: Packer) -> None:
         self.pack = pack
 
     def make(self, i: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -547,7 +466,7 @@ class _Delta:
     def __init__(self, sender: WeightSender, manifest: Manifest, image: DeltaImage, dense: bool,
                  estimate: bool) -> None:
         self.sender, self.manifest, self.image, self.dense, self.estimate = sender, manifest, image, dense, estimate
-        self.pack: _Packer | None = None
+        self.pack: Packer | None = None
         self.bufs: list[torch.Tensor] = []  # the image's buckets
         self.held: int | None = None  # the version the image held
         self.base: int | None = None  # the version the delta is made against (None: dense)
@@ -561,7 +480,7 @@ class _Delta:
     def header(self) -> list[list[int]] | None:
         return None if self.table is None else [delta_header(self.manifest, self.base), self.table]
 
-    def plan(self, pack: "_Packer") -> None:
+    def plan(self, pack: Packer) -> None:
         self.bufs = self.image.buckets(self.manifest)  # a new layout holds no version
         self.pack = pack
 
@@ -629,33 +548,3 @@ class _Delta:
                   group.name, group.rank, manifest.policy_version, base or "nothing (dense)", wire / 2**20,
                   total / 2**20, stats.seconds)
         return stats
-
-
-class _Packer:
-    """``pack(i)``: bucket ``i`` of one send, ready for the wire. Unless ``slotted`` is false (every
-    bucket a view of the parameters), it is packed into buffer slot ``i % len(slots)``, which the
-    caller must not hand to a bucket still on the wire."""
-
-    def __init__(self, manifest: Manifest, views: list[torch.Tensor] | None, slots: list[dict[str, torch.Tensor]],
-                 fill: BucketFill | None, packs: list | None, source: _TensorSource | None, zero_copy: bool) -> None:
-        self.buckets, self.views, self.slots, self.fill = manifest.buckets, views, slots, fill
-        self.packs, self.source, self.zero_copy = packs, source, zero_copy
-        self.slotted = views is None
-
-    def __call__(self, i: int) -> torch.Tensor:
-        plan = self.buckets[i]
-        if self.views is not None:  # straight from the parameters: no buffer to recycle
-            return self.views[i]
-        buf = self.slots[i % len(self.slots)][plan.dtype]
-        if self.fill is not None:
-            self.fill(plan, buf)
-            return buf[: plan.numel]
-        if self.packs is not None:
-            torch._foreach_copy_(*self.packs[i])
-            return buf[: plan.numel]
-        tensors = self.source.take(plan)
-        packed = contiguous_bucket(plan, tensors) if self.zero_copy else None
-        if packed is None:
-            packed = pack_bucket(plan, tensors, out=buf)
-        self.source.release(plan)  # a view keeps what it reads alive; the rest was copied
-        return packed
