@@ -34,7 +34,8 @@ from disagg.transport.delta import DeltaImage
 from disagg.transport.group import TransportGroup
 from disagg.transport.manifest import Manifest, TensorSpec, plan_buckets
 from disagg.transport.receiver import LoadFn, ReceiveStats, receive_delta, receive_weights
-from disagg.transport.sender import BucketFill, EarlyPack, SendStats, WeightSender, build_manifest
+from disagg.transport.packing import BucketFill
+from disagg.transport.sender import EarlyPack, SendStats, WeightSender, build_manifest
 
 SOURCES = ("gather", "shards")
 
@@ -329,9 +330,9 @@ def receive_model(groups: list[TransportGroup], full: Manifest, load_fn: LoadFn,
 
     def receive(r: int, manifest: Manifest, load: LoadFn) -> ReceiveStats:
         if images is None:
-            return receive_weights(groups[r], manifest, load, device, 0, num_buffers, verify, go,
+            return receive_weights(groups[r], manifest, load, device, num_buffers=num_buffers, verify=verify, go=go,
                                    parts=parts if source == "gather" else None, header_first=header_first)
-        return receive_delta(groups[r], manifest, load, images[r], device, 0, verify, go,
+        return receive_delta(groups[r], manifest, load, images[r], device, verify=verify, go=go,
                              load_unchanged=load_unchanged or source == "shards")
 
     if source == "gather":

@@ -1,10 +1,14 @@
 """The trainer's side of a weight sync: plan the manifest, broadcast the buckets.
 
 The sender is rank ``src`` of a ``TransportGroup``. Before the buckets it
-broadcasts a three-number header (policy version, bucket count, checksum of the
+broadcasts a header (``wire.py``: policy version, bucket count, checksum of the
 layout digest) so that a receiver holding a different manifest raises
 ``TransportError`` instead of loading garbage. The sender itself cannot see that
 mismatch: it only sees the receiver leave, as a failed broadcast.
+
+One send loop (``WeightSender._send``) sends a dense version and a delta alike: set up, the
+driver's word, the header, the buckets in order. What differs, what the header says and what each
+bucket sends, is its way (``_Dense``, ``_Delta``).
 
 This module must never gather sharded (FSDP/DTensor) weights itself: the trainer
 hands it full tensors. It never imports vLLM or Ray.
@@ -16,50 +20,22 @@ import contextlib
 import logging
 import threading
 import time
-import zlib
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from disagg import faults
-from disagg.transport.buckets import (bucket_buffers, bucket_checksum, contiguous_bucket, dtype_name, pack_bucket,
-                                     torch_dtype)
+from disagg.transport.buckets import bucket_buffers, bucket_checksum, contiguous_bucket, dtype_name, torch_dtype
 from disagg.transport.delta import BucketDelta, DeltaImage, Form, choose_form, encode, encode_marked, mark
 from disagg.transport.delta import estimate as estimate_delta
 from disagg.transport.group import TransportGroup
-from disagg.transport.manifest import DTYPE_BYTES, BucketPlan, Manifest, TensorSpec, plan_buckets
+from disagg.transport.manifest import DTYPE_BYTES, Manifest, TensorSpec, plan_buckets
+from disagg.transport.packing import BucketFill, NamedTensors, Packer, TensorSource, kept
+from disagg.transport.wire import delta_header, header_for, ints_on, table_for
 
 log = logging.getLogger(__name__)
-
-_VIEW_SETS = 4  # bucket-view sets a sender keeps (one per set of tensor addresses)
-
-NamedTensors = Mapping[str, torch.Tensor] | Callable[[], Iterable[tuple[str, torch.Tensor]]]
-
-
-def _kept(cache: dict, key: tuple, build: Callable[[], Any]) -> Any:
-    """``cache[key]``, built on a miss; the cache keeps the ``_VIEW_SETS`` newest keys."""
-    if key not in cache:
-        if len(cache) >= _VIEW_SETS:
-            cache.pop(next(iter(cache)))
-        cache[key] = build()
-    return cache[key]
-
-
-class BucketFill:
-    """Writes one bucket's elements into a buffer: ``fill(plan, buf)``.
-
-    ``slack`` is how many elements past ``plan.numel`` it may write (scratch space
-    a gather needs); every buffer handed to it is that much longer.
-    """
-
-    slack: int = 0
-
-    def __call__(self, plan: BucketPlan, buf: torch.Tensor) -> None:
-        raise NotImplementedError
-
 
 @dataclass(frozen=True)
 class SendStats:
@@ -126,23 +102,6 @@ class EarlyPack:
             return made
 
 
-def header_for(manifest: Manifest) -> list[int]:
-    """The int64 header sent before the buckets: [policy_version, num_buckets, layout crc]."""
-    return [manifest.policy_version, len(manifest.buckets), zlib.crc32(manifest.layout_digest().encode())]
-
-
-def ints_on(values: list[int], device: torch.device) -> torch.Tensor:
-    """``values`` as an int64 tensor on ``device``, queued there without the host waiting. A plain
-    ``torch.tensor(values, device=cuda)`` copies from pageable memory, and torch then synchronizes
-    the stream: the header of a push waited for every kernel queued before it (a step's optimizer,
-    a snapshot's copies) before its broadcast was even posted. From pinned memory the copy is
-    queued like a kernel (torch keeps the pinned block until the copy is done)."""
-    host = torch.tensor(values, dtype=torch.int64)
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
-
-
 def build_manifest(
     named_tensors: Iterable[tuple[str, torch.Tensor]],
     bucket_bytes: int,
@@ -165,59 +124,6 @@ def build_manifest(
         dtype = dtype_override if dtype_override and t.dtype.is_floating_point else dtype_name(t.dtype)
         specs.append(TensorSpec(name, tuple(int(d) for d in t.shape), dtype))
     return plan_buckets(specs, bucket_bytes, policy_version, first_bucket_bytes)
-
-
-class _TensorSource:
-    """Hands out the tensors each bucket needs, pulling lazily from an iterator.
-
-    Tensors are kept only until the last bucket that reads them has been sent.
-    With an iterator, a tensor that arrives before it is needed (another dtype's
-    buckets come first) is held until then.
-    """
-
-    def __init__(self, manifest: Manifest, named_tensors: NamedTensors) -> None:
-        self._specs = {t.name: t for t in manifest.tensors}
-        self._last_use: dict[str, int] = {}
-        for plan in manifest.buckets:
-            for e in plan.entries:
-                self._last_use[e.name] = plan.index
-        self._held: dict[str, torch.Tensor] = {}
-        self._iter: Iterator[tuple[str, torch.Tensor]] | None = None
-        if isinstance(named_tensors, Mapping):
-            for name in self._last_use:
-                if name not in named_tensors:
-                    raise ValueError(f"tensor {name!r} is in the manifest but not in the tensors to send")
-                self._held[name] = self._checked(name, named_tensors[name])
-        else:
-            self._iter = iter(named_tensors())
-
-    def take(self, plan: BucketPlan) -> dict[str, torch.Tensor]:
-        for e in plan.entries:
-            while e.name not in self._held:
-                self._pull(e.name)
-        return {e.name: self._held[e.name] for e in plan.entries}
-
-    def release(self, plan: BucketPlan) -> None:
-        for e in plan.entries:
-            if self._last_use[e.name] == plan.index:
-                self._held.pop(e.name, None)
-
-    def _pull(self, wanted: str) -> None:
-        assert self._iter is not None
-        for name, tensor in self._iter:
-            if name in self._last_use:
-                self._held[name] = self._checked(name, tensor)
-                return
-            if name not in self._specs:
-                raise ValueError(f"tensor {name!r} is not in the manifest")
-        raise ValueError(f"tensor {wanted!r} is in the manifest but was never produced by named_tensors")
-
-    def _checked(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        spec = self._specs[name]
-        if tuple(tensor.shape) != spec.shape:
-            raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, the manifest says {spec.shape}")
-        # One copy here, not one per bucket when a non-contiguous tensor is split.
-        return tensor.contiguous()
 
 
 class WeightSender:
@@ -291,18 +197,18 @@ class WeightSender:
                     addresses: tuple | None) -> list[torch.Tensor] | None:
         """Every bucket as a view of existing memory, or None if some bucket needs packing.
 
-        The check of names and shapes (``_TensorSource``) and the view building run on
+        The check of names and shapes (``TensorSource``) and the view building run on
         the first sync of a layout; later syncs only compare the tensors' addresses.
         """
         if addresses is None:
             return None
 
         def build():
-            source = _TensorSource(manifest, named_tensors)
+            source = TensorSource(manifest, named_tensors)
             views = [contiguous_bucket(plan, source.take(plan)) for plan in manifest.buckets]
             return None if any(v is None for v in views) else views
 
-        return _kept(self._views, addresses, build)
+        return kept(self._views, addresses, build)
 
     def _pack_views(self, manifest: Manifest, named_tensors: NamedTensors, addresses: tuple | None,
                     slots: list[dict[str, torch.Tensor]]) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]] | None:
@@ -316,7 +222,7 @@ class WeightSender:
             tensors = [named_tensors[t.name] for t in manifest.tensors]
             if not all(t.is_contiguous() for t in tensors):
                 return None
-            source = _TensorSource(manifest, named_tensors)  # checks names and shapes
+            source = TensorSource(manifest, named_tensors)  # checks names and shapes
             packs = []
             for i, plan in enumerate(manifest.buckets):
                 buf, held = slots[i % len(slots)][plan.dtype], source.take(plan)
@@ -325,7 +231,7 @@ class WeightSender:
                                for e in plan.entries]))
             return packs
 
-        return _kept(self._packs, key, build)
+        return kept(self._packs, key, build)
 
     def _buffers(self, manifest: Manifest, slack: int = 0) -> list[dict[str, torch.Tensor]]:
         key = f"{manifest.layout_digest()}+{slack}"
@@ -335,15 +241,15 @@ class WeightSender:
         return self._slots
 
     def _packer(self, manifest: Manifest, named_tensors: NamedTensors | None,
-                fill: BucketFill | None) -> "_Packer":
+                fill: BucketFill | None) -> Packer:
         """How each bucket of this send is made: a view of flat parameters, a fill, one fused copy of
         cached views, or entry by entry (``send``'s sources)."""
         addresses = self._addresses(manifest, named_tensors) if fill is None else None
         views = self._flat_views(manifest, named_tensors, addresses)
         slots = self._buffers(manifest, fill.slack if fill is not None else 0) if views is None else []
         packs = self._pack_views(manifest, named_tensors, addresses, slots) if views is None else None
-        source = _TensorSource(manifest, named_tensors) if fill is None and views is None and packs is None else None
-        return _Packer(manifest, views, slots, fill, packs, source, self._after_pack is None)
+        source = TensorSource(manifest, named_tensors) if fill is None and views is None and packs is None else None
+        return Packer(manifest, views, slots, fill, packs, source, self._after_pack is None)
 
     @torch.no_grad()
     def send(self, manifest: Manifest, named_tensors: NamedTensors | None = None,
@@ -370,85 +276,7 @@ class WeightSender:
         """
         if (named_tensors is None) == (fill is None):
             raise ValueError("WeightSender.send needs exactly one of named_tensors and fill")
-        t0, stamps = time.perf_counter(), {"send": time.time()}
-        header_first = header_first and go is not None
-        finished: list = []
-        if header_first:  # out before anything that can fail: every armed receive takes it before its word
-            with self._header_stream():
-                header = ints_on(header_for(manifest), self.group.device)
-                stamps["header_copied"] = time.time()
-                finished.append(self.group.broadcast_async(header, self.src, count_bytes=False))
-            header_unix_s = time.time()
-        try:
-            pack = self._packer(manifest, named_tensors, fill)
-            stamps["planned"] = time.time()
-            if not header_first:
-                header = ints_on(header_for(manifest), self.group.device)
-                stamps["header_copied"] = time.time()
-
-            def make(i: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-                """Bucket ``i`` ready for the wire, and its checksum (``verify``)."""
-                packed = pack(i)
-                checksum = bucket_checksum(packed) if self.verify else None
-                if self._after_pack is not None:
-                    self._after_pack(manifest.buckets[i].index, packed)
-                return packed, checksum
-
-            if early is not None and pack.slotted:  # (every slot free: the send before ended with the wire)
-                first = range(min(self.num_buffers, len(manifest.buckets)))
-
-                def make_first() -> list:
-                    with torch.no_grad():  # (in the train step's thread, where autograd is on)
-                        return [make(i) for i in first]
-
-                early.offer(make_first)
-            if go is not None:
-                go()
-                t0 = time.perf_counter()
-        except BaseException:
-            for op in finished:  # a header out before the word: taken before this send ends (in step)
-                op.wait()
-            raise
-        finally:
-            made = early.take() if early is not None else []
-        if made:
-            stamps["early_packed"] = early.packed_unix_s
-        if not header_first:
-            # Not waited for here: the buckets queue behind it on the wire (ops complete in order).
-            finished.append(self.group.broadcast_async(header, self.src, count_bytes=False))
-            header_unix_s = time.time()
-        in_flight: deque = deque()
-        for i in range(len(manifest.buckets)):
-            if i < len(made):
-                packed, checksum = made[i]
-            else:
-                if pack.slotted and len(in_flight) == self.num_buffers:
-                    # This slot's previous bucket must be off the wire before it is repacked.
-                    for op in in_flight.popleft():
-                        op.wait(host=False)
-                        finished.append(op)
-                packed, checksum = make(i)
-            ops = [self.group.broadcast_async(packed, self.src)]
-            if i == 0:
-                stamps["first"] = time.time()
-            faults.hit("send_bucket")
-            if checksum is not None:
-                ops.append(self.group.broadcast_async(checksum, self.src, count_bytes=False))
-            in_flight.append(ops)
-        # Host-side completion (timeouts, errors, byte counts), oldest first.
-        for op in finished + [op for ops in in_flight for op in ops]:
-            op.wait()
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
-        del header  # alive until its broadcast completed
-        seconds = time.perf_counter() - t0
-        total = sum(p.nbytes for p in manifest.buckets)
-        stats = SendStats(bytes=total, seconds=seconds, num_buckets=len(manifest.buckets),
-                          header_unix_s=header_unix_s, dense_bytes=total, stamps=stamps, early_buckets=len(made))
-        log.debug("[transport:%s:%d] sent policy_version=%d: %d buckets, %.1f MiB in %.3f s",
-                  self.group.name, self.group.rank, manifest.policy_version, stats.num_buckets,
-                  stats.bytes / 2**20, seconds)
-        return stats
+        return self._send(_Dense(self, manifest, early), named_tensors, fill, go, header_first and go is not None)
 
     @torch.no_grad()
     def send_delta(self, manifest: Manifest, image: DeltaImage, named_tensors: NamedTensors | None = None,
@@ -461,115 +289,262 @@ class WeightSender:
         A delta packs and compares every bucket with the image first (the receivers need each
         bucket's form and size before its bytes). A dense sync knows every size up front: each
         bucket goes out as it is packed, from the image's copy of it. The wire carries a header of
-        four numbers (``header_for`` and the base version, 0 for dense), a table of (form, changed
-        elements) per bucket, then one payload per bucket that changed (``delta``); with ``verify``,
-        each is followed by the checksum of the whole new bucket. A failed send leaves the image
-        holding no version. With ``estimate``, a dense sync against an image that holds a version
-        first times encoding its first bucket as a delta (``delta.estimate``; not counted in its
+        four numbers (``wire.delta_header``: ``header_for`` and the base version, 0 for dense), a table
+        of (form, changed elements) per bucket, then one payload per bucket that changed (``delta``);
+        with ``verify``, each is followed by the checksum of the whole new bucket. A failed send leaves
+        the image holding no version. With ``estimate``, a dense sync against an image that holds a
+        version first times encoding its first bucket as a delta (``delta.estimate``; not counted in its
         ``seconds``), for ``transport.delta=auto``. Sources, errors and ``go`` as in ``send`` (here
         ``go`` comes before the packing, as a delta's header needs its buckets compared first)."""
         if (named_tensors is None) == (fill is None):
             raise ValueError("WeightSender.send_delta needs exactly one of named_tensors and fill")
-        t0, stamps = time.perf_counter(), {"send": time.time()}
-        group, src = self.group, self.src
-        bufs = image.buckets(manifest)  # a new layout holds no version
-        pack = self._packer(manifest, named_tensors, fill)
-        stamps["planned"] = time.time()  # (a delta's comparing comes after: encode_s)
-        if go is not None:
-            go()
-            t0 = time.perf_counter()
-        held = image.version
-        base, image.version = None if dense else held, None
-        guess, guess_s = None, 0.0
-        if base is None:
-            deltas = [BucketDelta(Form.DENSE, p.numel, p.numel, None) for p in manifest.buckets]
-        elif self.one_read:
-            marks, counts = [], []
-            for i, buf in enumerate(bufs):
-                packed = pack(i)
+        return self._send(_Delta(self, manifest, image, dense, estimate), named_tensors, fill, go)
+
+    def _send(self, way: "_Dense | _Delta", named_tensors: NamedTensors | None, fill: BucketFill | None,
+              go: Callable[[], None] | None, header_first: bool = False) -> SendStats:
+        """The one send loop, dense or delta (``way``: what the header says and what each bucket sends):
+        set up, the driver's word, the header, every bucket in order, then the host waits for all of it."""
+        out = _Outgoing(self.group, self.src)
+        if header_first:  # out before anything that can fail: every armed receive takes it before its word
+            with self._header_stream():
+                out.copy_header(way.header())
+                out.post_header()
+        try:
+            way.plan(self._packer(way.manifest, named_tensors, fill))
+            out.stamps["planned"] = time.time()  # (a delta's comparing comes after the word: encode_s)
+            if not header_first:
+                out.copy_header(way.header())  # a dense header: on the device before the word
+            way.offer_early()
+            if go is not None:
+                go()
+                out.t0 = time.perf_counter()
+        except BaseException:
+            out.settle()  # a header out before the word: taken before this send ends (in step)
+            raise
+        finally:
+            way.take_early(out.stamps)
+        way.compare(out.t0)
+        if not header_first:
+            if out.header is None:
+                out.copy_header(way.header())  # a delta's: known once its buckets were compared
+            out.post_header()
+        for i in range(len(way.manifest.buckets)):
+            sent = way.bucket(i, out)
+            if sent is not None:
+                out.post(*sent)
+        return way.finish(out, out.end(self.device))
+
+
+Checksum = torch.Tensor | Callable[[], torch.Tensor] | None
+"""A bucket's checksum (``verify``): made with the bucket, or how to make it once the bucket is posted."""
+
+
+class _Outgoing:
+    """One send's side of the wire: its header and buckets posted in order, the ops to wait for, the
+    tensors they read (kept alive until then), its clock readings (``SendStats.stamps``)."""
+
+    def __init__(self, group: TransportGroup, src: int) -> None:
+        self.group, self.src = group, src
+        self.t0 = time.perf_counter()  # ``seconds`` count from here, or from the word
+        self.stamps = {"send": time.time()}
+        self.header: list[torch.Tensor] | None = None
+        self.header_unix_s = 0.0
+        self.finished: list = []  # ops to wait for on the host at the end, oldest first
+        self.in_flight: deque = deque()  # each posted bucket's ops, oldest first
+        self.kept: list[torch.Tensor] = []  # the checksums on the wire
+
+    def copy_header(self, rows: list[list[int]] | None) -> None:
+        """The header's numbers (``wire``) onto the group's device; None: not known yet."""
+        if rows is not None:
+            self.header = [ints_on(row, self.group.device) for row in rows]
+            self.stamps["header_copied"] = time.time()
+
+    def post_header(self) -> None:
+        # Not waited for here: the buckets queue behind it on the wire (ops complete in order).
+        self.finished += [self.group.broadcast_async(t, self.src, count_bytes=False) for t in self.header]
+        self.header_unix_s = time.time()
+
+    def settle(self) -> None:
+        """Wait for what was posted (a send called off: the header out before the word was taken)."""
+        for op in self.finished:
+            op.wait()
+
+    def free_slot(self, num_buffers: int) -> None:
+        """With ``num_buffers`` buckets on the wire, the oldest's buffer slot must be off it before the
+        slot is repacked."""
+        if len(self.in_flight) == num_buffers:
+            for op in self.in_flight.popleft():
+                op.wait(host=False)
+                self.finished.append(op)
+
+    def post(self, bucket: torch.Tensor, checksum: Checksum) -> None:
+        ops = [self.group.broadcast_async(bucket, self.src)]
+        self.stamps.setdefault("first", time.time())
+        faults.hit("send_bucket")
+        if checksum is not None:
+            self.kept.append(checksum() if callable(checksum) else checksum)
+            ops.append(self.group.broadcast_async(self.kept[-1], self.src, count_bytes=False))
+        self.in_flight.append(ops)
+
+    def end(self, device: torch.device) -> float:
+        """Wait for every op on the host (timeouts, errors, byte counts), oldest first; the seconds."""
+        for op in self.finished + [op for ops in self.in_flight for op in ops]:
+            op.wait()
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
+        self.header, self.kept = None, []  # alive until their broadcasts completed
+        return time.perf_counter() - self.t0
+
+
+class _Dense:
+    """A dense send's buckets (``WeightSender.send``): each packed as it goes out, into a buffer slot
+    whose previous bucket has left the wire, with its checksum (``verify``); an armed push's first
+    ones maybe packed before the word (``EarlyPack``). Its header is known before anything is read."""
+
+    def __init__(self, sender: WeightSender, manifest: Manifest, early: EarlyPack | None) -> None:
+        self.sender, self.manifest, self.early = sender, manifest, early
+        self.pack: Packer | None = None
+        self.made: list = []  # the buckets packed early, each (bucket, checksum)
+
+    def header(self) -> list[list[int]]:
+        return [header_for(self.manifest)]
+
+    def plan(self, pack: Packer) -> None:
+        self.pack = pack
+
+    def make(self, i: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Bucket ``i`` ready for the wire, and its checksum (``verify``)."""
+        packed = self.pack(i)
+        checksum = bucket_checksum(packed) if self.sender.verify else None
+        if self.sender._after_pack is not None:
+            self.sender._after_pack(self.manifest.buckets[i].index, packed)
+        return packed, checksum
+
+    def offer_early(self) -> None:
+        if self.early is None or not self.pack.slotted:  # (every slot free: the send before ended with the wire)
+            return
+        first = range(min(self.sender.num_buffers, len(self.manifest.buckets)))
+
+        def make_first() -> list:
+            with torch.no_grad():  # (in the train step's thread, where autograd is on)
+                return [self.make(i) for i in first]
+
+        self.early.offer(make_first)
+
+    def take_early(self, stamps: dict[str, float]) -> None:
+        self.made = self.early.take() if self.early is not None else []
+        if self.made:
+            stamps["early_packed"] = self.early.packed_unix_s
+
+    def compare(self, t0: float) -> None:
+        """(A dense send compares nothing.)"""
+
+    def bucket(self, i: int, out: _Outgoing) -> tuple[torch.Tensor, Checksum]:
+        if i < len(self.made):
+            return self.made[i]
+        if self.pack.slotted:
+            out.free_slot(self.sender.num_buffers)
+        return self.make(i)
+
+    def finish(self, out: _Outgoing, seconds: float) -> SendStats:
+        group, manifest = self.sender.group, self.manifest
+        total = sum(p.nbytes for p in manifest.buckets)
+        stats = SendStats(bytes=total, seconds=seconds, num_buckets=len(manifest.buckets),
+                          header_unix_s=out.header_unix_s, dense_bytes=total, stamps=out.stamps,
+                          early_buckets=len(self.made))
+        log.debug("[transport:%s:%d] sent policy_version=%d: %d buckets, %.1f MiB in %.3f s",
+                  group.name, group.rank, manifest.policy_version, stats.num_buckets, stats.bytes / 2**20, seconds)
+        return stats
+
+
+class _Delta:
+    """A delta send's buckets (``WeightSender.send_delta``): after the word, every bucket packed and
+    compared with the image (the header's table needs each one's form), the image taking the new
+    bucket; then each that changed goes out as its payload, or as the image's copy of it where it
+    goes dense. The image holds no version until the last op completed."""
+
+    def __init__(self, sender: WeightSender, manifest: Manifest, image: DeltaImage, dense: bool,
+                 estimate: bool) -> None:
+        self.sender, self.manifest, self.image, self.dense, self.estimate = sender, manifest, image, dense, estimate
+        self.pack: Packer | None = None
+        self.bufs: list[torch.Tensor] = []  # the image's buckets
+        self.held: int | None = None  # the version the image held
+        self.base: int | None = None  # the version the delta is made against (None: dense)
+        self.deltas: list[BucketDelta] = []
+        self.marks: list[torch.Tensor] = []  # ``one_read``: each bucket's changed bits
+        self.table: list[int] | None = None  # known once every bucket was compared
+        self.encode_s = 0.0
+        self.guess: tuple[float, float] | None = None  # ``estimate``'s
+        self.guess_s = 0.0
+
+    def header(self) -> list[list[int]] | None:
+        return None if self.table is None else [delta_header(self.manifest, self.base), self.table]
+
+    def plan(self, pack: Packer) -> None:
+        self.bufs = self.image.buckets(self.manifest)  # a new layout holds no version
+        self.pack = pack
+
+    def offer_early(self) -> None:
+        """(A delta packs nothing before the word.)"""
+
+    def take_early(self, stamps: dict[str, float]) -> None:
+        """(Nor early.)"""
+
+    def compare(self, t0: float) -> None:
+        """Each bucket's form against the image (none where the sync is dense), the image then
+        holding the new buckets; ``encode_s`` from ``t0``."""
+        self.held = self.image.version
+        self.base, self.image.version = None if self.dense else self.held, None
+        if self.base is None:
+            self.deltas = [BucketDelta(Form.DENSE, p.numel, p.numel, None) for p in self.manifest.buckets]
+        elif self.sender.one_read:
+            counts = []
+            for i, buf in enumerate(self.bufs):
+                packed = self.pack(i)
                 bits, count = mark(packed, buf)
-                marks.append(bits)
+                self.marks.append(bits)
                 counts.append(count)
                 buf.copy_(packed)  # the image holds the new bucket; its changes are in the bits
             counts = torch.stack(counts).tolist()  # this sync's one host read
-            deltas = [BucketDelta(choose_form(b.numel(), c, b.element_size()), b.numel(), c, None)
-                      for b, c in zip(bufs, counts)]
+            self.deltas = [BucketDelta(choose_form(b.numel(), c, b.element_size()), b.numel(), c, None)
+                           for b, c in zip(self.bufs, counts)]
         else:
-            deltas = []
-            for i, buf in enumerate(bufs):
-                packed = pack(i)
-                deltas.append(encode(packed, buf))
-                if deltas[-1].form is not Form.SAME:
+            for i, buf in enumerate(self.bufs):
+                packed = self.pack(i)
+                self.deltas.append(encode(packed, buf))
+                if self.deltas[-1].form is not Form.SAME:
                     buf.copy_(packed)
-        encode_s = time.perf_counter() - t0
-        table = [x for d in deltas for x in (int(d.form), d.changed)]
-        # every tensor on the wire, alive until its op is done
-        kept = [ints_on([*header_for(manifest), base or 0], group.device), ints_on(table, group.device)]
-        stamps["header_copied"] = time.time()
-        ops = [group.broadcast_async(t, src, count_bytes=False) for t in kept]
-        header_unix_s = time.time()
-        for i, (d, buf) in enumerate(zip(deltas, bufs)):
-            if d.form is Form.SAME:
-                continue
-            if d.form in (Form.INDEX, Form.MASK) and d.payload is None:  # marked: encoded as it goes out
-                d = deltas[i] = encode_marked(buf, marks[i], d.changed)
-            if base is None:
-                packed = pack(i)
-                if i == 0 and estimate and held is not None:  # before anything of this sync is on the wire
-                    t_guess = time.perf_counter()
-                    guess = estimate_delta(packed, buf, sum(p.numel for p in manifest.buckets), self.one_read)
-                    guess_s = time.perf_counter() - t_guess
-                buf.copy_(packed)  # its slot is free again at once: the image's copy goes on the wire
-            ops.append(group.broadcast_async(buf if d.form is Form.DENSE else d.payload, src))
-            stamps.setdefault("first", time.time())
-            faults.hit("send_bucket")
-            if self.verify:
-                kept.append(bucket_checksum(buf))
-                ops.append(group.broadcast_async(kept[-1], src, count_bytes=False))
-        for op in ops:
-            op.wait()
-        del kept
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
-        image.version = manifest.policy_version
+        self.encode_s = time.perf_counter() - t0
+        self.table = table_for([(d.form, d.changed) for d in self.deltas])
+
+    def bucket(self, i: int, out: _Outgoing) -> tuple[torch.Tensor, Checksum] | None:
+        d, buf = self.deltas[i], self.bufs[i]
+        if d.form is Form.SAME:
+            return None
+        if d.form in (Form.INDEX, Form.MASK) and d.payload is None:  # marked: encoded as it goes out
+            d = self.deltas[i] = encode_marked(buf, self.marks[i], d.changed)
+        if self.base is None:
+            packed = self.pack(i)
+            if i == 0 and self.estimate and self.held is not None:  # before anything of this sync is on the wire
+                t_guess = time.perf_counter()
+                numel = sum(p.numel for p in self.manifest.buckets)
+                self.guess = estimate_delta(packed, buf, numel, self.sender.one_read)
+                self.guess_s = time.perf_counter() - t_guess
+            buf.copy_(packed)  # its slot is free again at once: the image's copy goes on the wire
+        checksum = (lambda: bucket_checksum(buf)) if self.sender.verify else None  # made once its bytes are posted
+        return buf if d.form is Form.DENSE else d.payload, checksum
+
+    def finish(self, out: _Outgoing, seconds: float) -> SendStats:
+        group, manifest, base = self.sender.group, self.manifest, self.base
+        self.image.version = manifest.policy_version
         total = sum(p.nbytes for p in manifest.buckets)
-        wire = sum(d.nbytes if d.form is not Form.DENSE else p.nbytes for d, p in zip(deltas, manifest.buckets))
-        changed = sum(d.changed for d in deltas) / max(1, sum(p.numel for p in manifest.buckets))
-        stats = SendStats(bytes=wire, seconds=time.perf_counter() - t0 - guess_s, num_buckets=len(manifest.buckets),
-                          header_unix_s=header_unix_s, dense_bytes=total, delta_base=base or 0,
-                          changed_fraction=None if base is None else changed, encode_s=encode_s if base else 0.0,
-                          estimate=guess, stamps=stamps)
+        wire = sum(d.nbytes if d.form is not Form.DENSE else p.nbytes for d, p in zip(self.deltas, manifest.buckets))
+        changed = sum(d.changed for d in self.deltas) / max(1, sum(p.numel for p in manifest.buckets))
+        stats = SendStats(bytes=wire, seconds=seconds - self.guess_s, num_buckets=len(manifest.buckets),
+                          header_unix_s=out.header_unix_s, dense_bytes=total, delta_base=base or 0,
+                          changed_fraction=None if base is None else changed, encode_s=self.encode_s if base else 0.0,
+                          estimate=self.guess, stamps=out.stamps)
         log.debug("[transport:%s:%d] sent policy_version=%d against %s: %.2f of %.1f MiB in %.3f s",
                   group.name, group.rank, manifest.policy_version, base or "nothing (dense)", wire / 2**20,
                   total / 2**20, stats.seconds)
         return stats
-
-
-class _Packer:
-    """``pack(i)``: bucket ``i`` of one send, ready for the wire. Unless ``slotted`` is false (every
-    bucket a view of the parameters), it is packed into buffer slot ``i % len(slots)``, which the
-    caller must not hand to a bucket still on the wire."""
-
-    def __init__(self, manifest: Manifest, views: list[torch.Tensor] | None, slots: list[dict[str, torch.Tensor]],
-                 fill: BucketFill | None, packs: list | None, source: _TensorSource | None, zero_copy: bool) -> None:
-        self.buckets, self.views, self.slots, self.fill = manifest.buckets, views, slots, fill
-        self.packs, self.source, self.zero_copy = packs, source, zero_copy
-        self.slotted = views is None
-
-    def __call__(self, i: int) -> torch.Tensor:
-        plan = self.buckets[i]
-        if self.views is not None:  # straight from the parameters: no buffer to recycle
-            return self.views[i]
-        buf = self.slots[i % len(self.slots)][plan.dtype]
-        if self.fill is not None:
-            self.fill(plan, buf)
-            return buf[: plan.numel]
-        if self.packs is not None:
-            torch._foreach_copy_(*self.packs[i])
-            return buf[: plan.numel]
-        tensors = self.source.take(plan)
-        packed = contiguous_bucket(plan, tensors) if self.zero_copy else None
-        if packed is None:
-            packed = pack_bucket(plan, tensors, out=buf)
-        self.source.release(plan)  # a view keeps what it reads alive; the rest was copied
-        return packed

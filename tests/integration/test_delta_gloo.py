@@ -10,6 +10,8 @@ bit for bit, and the bytes on the wire must follow what changed.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -104,3 +106,107 @@ def test_delta_syncs_rebuild_every_version_exactly_and_send_only_what_changed(ta
     refused = reports[2]["versions"][3]
     assert "sent as changes to version 3, this receiver holds none" in refused["refused"], refused
     assert refused["equal_to"] == [2] and refused["image"] is None  # its weights stayed on version 3 (= 2)
+
+
+def _armed_delta(rank: int, world: int, port: int) -> dict:
+    """Armed deltas, a delta called off in its word, and a corrupt delta refused by its checksums:
+    version 1 dense; 2 as an armed delta (the word a second after the push set up); 3 called off in
+    its word, then sent armed (a delta onto 2: the call-off left both images alone); 4 verified with
+    one bucket's checksum wrong (refused: the receiver's image then holds none), then 4 again dense."""
+    import disagg.transport.sender as sending
+    from disagg.errors import ChecksumError, SyncCancelled
+    from disagg.transport.model_transfer import ARM_CANCEL, ARM_SEND, arm_key, armed_go
+
+    group = _group(rank, world, port, timeout_s=30.0)
+    weights = {1: _version(1), 2: _version(2), 3: _version(4), 4: _version(2)}
+    try:
+        if rank == 0:
+            sender, checked, image, facts = WeightSender(group), WeightSender(group, verify=True), DeltaImage(), {}
+            m = build_manifest(weights[1].items(), BUCKET_BYTES, policy_version=1)
+            sender.send_delta(m, image, weights[1])
+            went: dict = {}
+
+            def go() -> None:
+                time.sleep(1.0)
+                went["unix_s"] = time.time()
+                group.signal(arm_key(31), ARM_SEND)
+
+            def off() -> None:
+                raise SyncCancelled("the driver called it off")
+
+            s2 = sender.send_delta(m.with_version(2), image, weights[2], go=go)
+            facts["v2"] = {"base": s2.delta_base, "planned_before_go": s2.stamps["planned"] < went["unix_s"],
+                           "header_after_go": s2.stamps["header_copied"] >= went["unix_s"]
+                           and s2.header_unix_s >= went["unix_s"], "seconds": s2.seconds, "bytes": s2.bytes,
+                           "dense_bytes": s2.dense_bytes}
+            try:
+                sender.send_delta(m.with_version(3), image, weights[3], go=off)
+            except SyncCancelled as e:
+                facts["off"], facts["image_after_off"] = str(e), image.version
+            group.signal(arm_key(32), ARM_CANCEL)
+            facts["v3_base"] = sender.send_delta(m.with_version(3), image, weights[3],
+                                                 go=lambda: group.signal(arm_key(33), ARM_SEND)).delta_base
+            real, calls = sending.bucket_checksum, []
+
+            def one_wrong(buf: torch.Tensor) -> torch.Tensor:
+                calls.append(1)
+                return real(buf) + (1 if len(calls) == 1 else 0)
+
+            sending.bucket_checksum = one_wrong
+            try:
+                facts["corrupt_base"] = checked.send_delta(m.with_version(4), image, weights[4]).delta_base
+            finally:
+                sending.bucket_checksum = real
+            image.invalidate()  # as the driver does once a sync failed: the next goes dense
+            facts["again_base"] = checked.send_delta(m.with_version(4), image, weights[4]).delta_base
+            return facts
+        net, image, out = _zeroed_net(), DeltaImage(), {}
+        load_fn = TorchModelReceiver.load_into_module(net)
+        manifest = build_manifest(net.state_dict().items(), BUCKET_BYTES, policy_version=1)
+
+        def holds(v: int) -> bool:
+            got = net.state_dict()
+            return all(torch.equal(got[k].view(torch.uint8), t.view(torch.uint8)) for k, t in weights[v].items())
+
+        receive_delta(group, manifest, load_fn, image)
+        t0 = time.monotonic()
+        st = receive_delta(group, manifest.with_version(2), load_fn, image, go=armed_go(31, 30.0, "armed delta 31"))
+        out["v2"] = {"waited_s": time.monotonic() - t0, "bytes": st.bytes, "holds": holds(2), "image": image.version}
+        try:
+            receive_delta(group, manifest.with_version(3), load_fn, image, go=armed_go(32, 30.0, "armed delta 32"))
+        except SyncCancelled as e:
+            out["off"], out["off_holds"], out["off_image"] = str(e), holds(2), image.version
+        receive_delta(group, manifest.with_version(3), load_fn, image, go=armed_go(33, 30.0, "armed delta 33"))
+        out["v3"] = {"holds": holds(3), "image": image.version}
+        try:
+            receive_delta(group, manifest.with_version(4), load_fn, image, verify=True)
+        except ChecksumError as e:
+            out["corrupt"], out["corrupt_holds"], out["corrupt_image"] = str(e), holds(3), image.version
+        st = receive_delta(group, manifest.with_version(4), load_fn, image, verify=True)
+        out["again"] = {"holds": holds(4), "image": image.version, "tensors": st.num_tensors,
+                        "num_entries": len(net.state_dict())}
+        return out
+    finally:
+        group.destroy()
+
+
+def test_an_armed_delta_waits_for_the_word_a_called_off_one_keeps_both_images_and_a_corrupt_one_is_refused() -> None:
+    reports, _ = _spawn(_armed_delta, world=2, ranks=[0, 1])
+    tx, rx = reports[0], reports[1]
+    assert tx["ok"] and rx["ok"], reports
+    # armed: packed and compared after the word (the delta's header with it), the wait not in its seconds
+    v2 = tx["v2"]
+    assert v2["base"] == 1 and v2["planned_before_go"] and v2["header_after_go"] and v2["seconds"] < 0.9, v2
+    assert 0 < v2["bytes"] < 0.1 * v2["dense_bytes"], v2
+    assert rx["v2"]["waited_s"] >= 0.9 and rx["v2"]["holds"] and rx["v2"]["image"] == 2, rx
+    assert rx["v2"]["bytes"] == v2["bytes"], rx
+    # called off in its word: nothing on the wire, both images still on version 2, the next a delta onto it
+    assert tx["off"] == "the driver called it off" and tx["image_after_off"] == 2, tx
+    assert "called off by the sender" in rx["off"] and rx["off_holds"] and rx["off_image"] == 2, rx
+    assert tx["v3_base"] == 2 and rx["v3"] == {"holds": True, "image": 3}, (tx, rx)
+    # one bucket's checksum wrong: refused after the wire, nothing loaded, the image holding none
+    assert tx["corrupt_base"] == 3 and "checksum mismatch in 1 of" in rx["corrupt"], (tx, rx)
+    assert rx["corrupt_holds"] and rx["corrupt_image"] is None, rx
+    # the version again, dense: every tensor loaded
+    assert tx["again_base"] == 0 and rx["again"]["holds"] and rx["again"]["image"] == 4, (tx, rx)
+    assert rx["again"]["tensors"] == rx["again"]["num_entries"], rx
