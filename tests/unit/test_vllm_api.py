@@ -146,11 +146,11 @@ def test_on_cpu_the_engine_core_is_forked_and_the_start_method_is_read_from_its_
 
     from disagg.rollout.vllm.api import engine_core_start, fork_engine_core
 
-    monkeypatch.setattr(engine_utils, "get_mp_context", engine_utils.get_mp_context)  # restored after
-    assert fork_engine_core() == "cpu"
-    patched = engine_utils.get_mp_context
-    fork_engine_core()  # once only: vLLM's function is replaced, the replacement is kept
-    assert engine_utils.get_mp_context is patched
+    vllms = engine_utils.get_mp_context
+    monkeypatch.setattr(engine_utils, "get_mp_context", vllms)  # restored after
+    fork_engine_core()
+    fork_engine_core()  # again: it replaces vLLM's own function, not its own replacement
+    assert engine_utils.get_mp_context._disagg_vllms is vllms
     assert engine_utils.get_mp_context().get_start_method() == "fork"
     proc = engine_utils.get_mp_context().Process(target=print)  # what CoreEngineProcManager builds
     engine = NS(engine_core=NS(resources=NS(engine_manager=NS(processes=[proc]))))
@@ -172,6 +172,36 @@ def test_the_engine_core_forks_only_where_its_child_can_run_without_the_actors_c
     from disagg.rollout.vllm.api import fork_reason
 
     assert (fork_reason(cpu, tp, cuda_initialized) is not None) is forks
+
+
+def test_on_a_gpu_the_start_method_is_chosen_when_the_engine_core_starts(monkeypatch):
+    """A CUDA context made after the engine actor set up the fork (vLLM building its config in the
+    actor) still means spawn: the choice is made when vLLM asks for it."""
+    import torch
+
+    from disagg.rollout.vllm.api import engine_core_context
+
+    vllms = []
+    get = engine_core_context(False, 1, lambda: vllms.append("asked") or "vLLM's choice")
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    assert get().get_start_method() == "fork" and vllms == []
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert get() == "vLLM's choice" and vllms == ["asked"]
+    assert engine_core_context(False, 2, lambda: "vLLM's choice")() == "vLLM's choice"  # Ray executor
+
+
+def test_the_model_class_is_inspected_in_this_process_inside_the_block_only():
+    pytest.importorskip("vllm")
+    import os
+
+    from vllm.model_executor.models import registry
+
+    from disagg.rollout.vllm.api import model_info_in_process
+
+    vllms = registry._run_in_subprocess
+    with model_info_in_process():
+        assert registry._run_in_subprocess(os.getpid) == os.getpid()
+    assert registry._run_in_subprocess is vllms
 
 
 def test_a_finished_vllm_request_reaches_the_actor_in_its_own_terms():

@@ -55,10 +55,12 @@ the unit tests of the span logic run without it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import importlib
 import inspect
 import os
+from collections.abc import Callable
 from typing import Any
 
 from disagg.errors import ConfigError, RolloutError
@@ -182,31 +184,55 @@ def fork_reason(platform_cpu: bool, tensor_parallel_size: int, cuda_initialized:
     return None
 
 
-def fork_engine_core(tensor_parallel_size: int = 1) -> str | None:
-    """The engine actor's vLLM engine core forked from the actor where ``fork_reason`` allows it, by
-    replacing vLLM's choice of start method in this process (vllm 0.26 and 0.32 checked); the reason,
-    or None where vLLM spawns it. Only the engine core's start changes: CPU workers of a
-    tensor-parallel engine (vLLM's ``mp`` executor) are still spawned. Called by the engine actor
-    before it builds its engine; ``engine_core_start`` says what a started engine got."""
-    import torch
+def fork_engine_core(tensor_parallel_size: int = 1) -> None:
+    """The engine actor's vLLM engine core forked from the actor where ``fork_reason`` allows it when
+    vLLM starts it, by replacing vLLM's choice of start method in this process (vllm 0.26 and 0.32
+    checked). Whether CUDA is initialised is asked at that moment, after vLLM built its config in this
+    process. Only the engine core's start changes: CPU workers of a tensor-parallel engine (vLLM's
+    ``mp`` executor) are still spawned. Called by the engine actor before it builds its engine;
+    ``engine_core_start`` says what a started engine got."""
     from vllm.platforms import current_platform
-
-    reason = fork_reason(current_platform.is_cpu(), tensor_parallel_size, torch.cuda.is_initialized())
-    if reason is None:
-        return None
-    import multiprocessing
-
     from vllm.v1.engine import utils as engine_utils
 
-    if getattr(engine_utils.get_mp_context, "_disagg_fork", False):
-        return reason
+    vllms = getattr(engine_utils.get_mp_context, "_disagg_vllms", engine_utils.get_mp_context)
+    engine_utils.get_mp_context = engine_core_context(current_platform.is_cpu(), tensor_parallel_size, vllms)
+
+
+def engine_core_context(platform_cpu: bool, tensor_parallel_size: int, vllms: Callable[[], Any]) -> Callable[[], Any]:
+    """vLLM's ``get_mp_context`` for the engine core: fork where ``fork_reason`` allows it at the call,
+    else vLLM's own choice (``vllms``)."""
+    import multiprocessing
+
+    import torch
 
     def get_mp_context():
+        if fork_reason(platform_cpu, tensor_parallel_size, torch.cuda.is_initialized()) is None:
+            return vllms()
         return multiprocessing.get_context("fork")
 
-    get_mp_context._disagg_fork = True
-    engine_utils.get_mp_context = get_mp_context
-    return reason
+    get_mp_context._disagg_vllms = vllms
+    return get_mp_context
+
+
+@contextlib.contextmanager
+def model_info_in_process():
+    """vLLM inspects the model's class in a subprocess that imports vLLM again (to keep CUDA out of
+    the caller) unless ``VLLM_CACHE_ROOT`` holds the answer: 21 s of an H100 engine's 80-s start on
+    a fresh machine (2026-12-07). Inside this block it is inspected in this process, which has
+    imported vLLM already (the answer is still cached); the engine core's start method is chosen
+    after it, knowing whether CUDA got initialised (``engine_core_context``). A vLLM without the
+    function (0.26 and 0.32 have it) is left as it is."""
+    from vllm.model_executor.models import registry
+
+    original = getattr(registry, "_run_in_subprocess", None)
+    if original is None:
+        yield
+        return
+    registry._run_in_subprocess = lambda fn: fn()
+    try:
+        yield
+    finally:
+        registry._run_in_subprocess = original
 
 
 def engine_core_start(engine) -> str:
@@ -527,7 +553,8 @@ def start_engine(args: dict[str, Any]):
 
     engine_args = AsyncEngineArgs(**args)
     fork_engine_core(int(args.get("tensor_parallel_size", 1)))
-    return AsyncLLM.from_engine_args(engine_args)
+    with model_info_in_process():
+        return AsyncLLM.from_engine_args(engine_args)
 
 
 async def init_weight_transfer(engine, info: dict[str, Any]) -> None:
