@@ -144,7 +144,7 @@ def _check_engine(cfg: Config, mode: str) -> None:
          "tokens there; use 'resubmit' or 'auto'"),
         (r.openai_api, "rollout.openai_api=true",
          "SGLang's OpenAI server is not behind disagg's weights gate (and its engine starts without a "
-         "tokenizer: token ids in and out); set rollout.openai_api=false"),
+         "tokenizer: token ids in and out); leave rollout.openai_api unset (off with SGLang) or set it false"),
         (cfg.transport.load == "layerwise", "transport.load='layerwise'",
          "SGLang has no layerwise reload; use 'direct' or 'auto'"),
     ]

@@ -50,7 +50,7 @@ def parse_runs(spec: str, gpus: int) -> list[list[Run]]:
     left out is the framework's best documented one for ``gpus`` GPUs; a correction left out, its default."""
     from disagg.bench.peers import disagg_run, trl_run, verl_run
 
-    modes = {"disagg": disagg_run.MODES, "trl": trl_run.MODES, "verl": verl_run.MODES}
+    modes = {"trl": trl_run.MODES, "verl": verl_run.MODES}  # disagg's: disagg_run.staleness
     best = {"disagg": "sync" if gpus < 2 else "async", "trl": "colocate" if gpus < 2 else "server",
             "verl": verl_run.best_mode(gpus)}
     out = []
@@ -281,8 +281,9 @@ def ratios(entries: list[dict[str, Any]]) -> dict[str, Any]:
         if e["framework"] == "disagg":
             continue
         key = f"{e['framework']}:{e['mode']}"
-        same = [x for x in ours if not_the_same_job(x, e) is None]
-        skipped += [f"{x['framework']}:{x['mode']} vs {key}: {not_the_same_job(x, e)}" for x in ours if x not in same]
+        verdicts = [(x, not_the_same_job(x, e)) for x in ours]
+        same = [x for x, why in verdicts if why is None]
+        skipped += [f"{x['framework']}:{x['mode']} vs {key}: {why}" for x, why in verdicts if why is not None]
         if same and e["trained_tokens_per_s"] > 0:
             best = max(same, key=lambda x: x["trained_tokens_per_s"])
             out[f"tokens_per_s disagg/{key}"] = best["trained_tokens_per_s"] / e["trained_tokens_per_s"]

@@ -17,9 +17,6 @@ from typing import Any
 from disagg.bench.peers.job import JobFiles, PeerJob
 from disagg.bench.peers.runs import PeerRun
 
-MODES = ("sync", "async", "asyncN")
-
-
 def staleness(mode: str) -> int:
     """``algorithm.max_staleness`` of a mode (pure): ``sync`` 0, ``async`` 1, ``asyncN`` N (a heavy tail
     needs a staleness that covers its longest responses, or its long groups are dropped as too stale)."""

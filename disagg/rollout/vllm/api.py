@@ -43,8 +43,10 @@ And what disagg reads of vLLM's inner structure, the same in both (checked on 0.
 - On CPU (0.32): ``gpu_memory_utilization`` is the whole engine process's share of a NUMA node's
   memory, which node (``vllm.utils.cpu_resource_utils``); disagg sizes the KV cache itself
   (``kv_cache_memory_bytes``): ``memory_args``.
-- On CPU (0.32): the engine core's process is started by ``vllm.v1.engine.utils.get_mp_context``
-  (``CoreEngineProcManager``), spawned unless told otherwise: ``fork_engine_core``.
+- The engine core's process is started by ``vllm.v1.engine.utils.get_mp_context``
+  (``CoreEngineProcManager``), spawned inside a Ray actor unless told otherwise: ``fork_engine_core``.
+- The model's class is inspected by ``vllm.model_executor.models.registry._run_in_subprocess`` (a
+  subprocess importing vLLM) where ``VLLM_CACHE_ROOT`` lacks the answer: ``model_info_in_process``.
 - On CPU (0.32): vLLM's small helpers wrapped in ``torch.compile`` with the platform's
   ``simple_compile_backend`` (Inductor there), compiled at their first call: ``engine_env``.
 
