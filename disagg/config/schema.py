@@ -124,6 +124,12 @@ class RolloutConfig:
     """Engine weight dtype."""
     enforce_eager: bool = True
     """Disable CUDA graphs / compilation (fast start on CPU)."""
+    compile: bool | None = None
+    """torch.compile the engine's model (where ``enforce_eager`` is off). null: the engine's default
+    (vLLM compiles, SGLang does not). false with vLLM: no compilation, CUDA graphs of whole decode
+    steps instead of compiled pieces (``cudagraph_mode`` FULL_DECODE_ONLY; prefills run eagerly): the
+    engine starts without Dynamo and Inductor (10-17 s on a cold cache at 0.5B and below). true with
+    SGLang: its ``enable_torch_compile``."""
     max_cudagraph_capture_size: int | None = None
     """The largest decode batch (sequences) vLLM captures a CUDA graph for; larger batches decode
     without graphs. null: vLLM's default, min(2 x max_num_seqs, 512). Raise it to max_num_seqs when

@@ -205,6 +205,11 @@ def test_runs_take_each_frameworks_best_mode_for_the_gpus_and_fall_back_in_order
 
     with pytest.raises(ValueError, match="'verl::tis'"):
         parse_runs("verl::tis", 1)
+    assert parse_runs("disagg@rollout.compile=false,disagg:async5:tis@a.b=1@c=2", 1) == [
+        [("disagg", "sync@rollout.compile=false", None)], [("disagg", "async5@a.b=1@c=2", "tis")]]
+    for bad in ("trl@rollout.compile=false", "disagg:async@rollout.compile"):
+        with pytest.raises(ValueError, match=f"'{bad}'.*disagg's runs only"):
+            parse_runs(bad, 1)
     assert parse_tail("4,16,0.25") == {"tail_short": 4, "tail_long": 16, "tail_fraction": 0.25}
     with pytest.raises(ValueError, match="--tail='16,4,0.1'"):
         parse_tail("16,4,0.1")
@@ -219,6 +224,16 @@ def test_disaggs_modes_set_its_staleness(tiny_job, tmp_path, mode, staleness):
     job, files = tiny_job
     args = disagg_run.overrides(job, files, 1, mode, tmp_path / "run")
     assert f"algorithm.max_staleness={staleness}" in args
+
+
+def test_a_disagg_runs_settings_reach_its_train_command(tiny_job, tmp_path):
+    from disagg.bench.peers import disagg_run
+
+    job, files = tiny_job
+    run = disagg_run.plan(job, files, 1, "async3@rollout.compile=false", tmp_path / "out", "tis")
+    args = run.cmd[run.cmd.index("train") + 1:]
+    assert "algorithm.max_staleness=3" in args and args[-2:] == ["rollout.compile=false", "algorithm.off_policy=tis"]
+    assert run.mode == "async3@rollout.compile=false" and run.correction == "tis"
 
 
 def test_a_failed_runs_log_keeps_its_first_error_and_its_end(tmp_path):

@@ -93,6 +93,9 @@ def test_the_engines_arguments_carry_disaggs_options_under_sglangs_names():
     assert args["load_format"] == "dummy" and args["skip_tokenizer_init"] and args["context_length"] == cfg.max_model_len
     eager = engine_args(load_config(GPU_SGLANG).rollout, "/m", seed=0)
     assert eager["disable_cuda_graph"] and "cuda_graph_max_bs_decode" not in eager
+    assert "enable_torch_compile" not in args and "enable_torch_compile" not in eager  # null: SGLang's default, none
+    compiled = load_config({**GPU_SGLANG, "rollout": {**GPU_SGLANG["rollout"], "compile": True}}).rollout
+    assert engine_args(compiled, "/m", seed=0)["enable_torch_compile"] is True
 
 
 # ---- the backend -----------------------------------------------------------------------------------

@@ -221,3 +221,20 @@ def test_a_finished_vllm_request_reaches_the_actor_in_its_own_terms():
     with pytest.raises(RolloutError, match="request r: 3 tokens but weight-version spans cover 2"):
         engine_output(NS(request_id="r", outputs=[NS(index=0, token_ids=[5, 6, 7], logprobs=flat, finish_reason="stop",
                                                      weight_versions=[NS(version="3", start=0, end=2)])]))
+
+
+def test_rollout_compile_false_asks_vllm_for_whole_step_graphs_without_compiling():
+    from vllm.config import CompilationConfig
+    from vllm.config.compilation import CompilationMode, CUDAGraphMode
+
+    from disagg.rollout.vllm.api import compilation_args
+
+    assert compilation_args(None, None) == {} and compilation_args(None, True) == {}
+    assert compilation_args(96, None) == {"compilation_config": {"max_cudagraph_capture_size": 96}}
+    cc = compilation_args(96, False)["compilation_config"]
+    resolved = CompilationConfig(**cc)  # vLLM's own validation of every key and value
+    assert resolved.mode == CompilationMode.NONE and resolved.cudagraph_mode == CUDAGraphMode.FULL_DECODE_ONLY
+    assert resolved.max_cudagraph_capture_size == 96
+    # full graphs need no compiled pieces: vLLM keeps this mode where it drops the default without compilation
+    assert not resolved.cudagraph_mode.requires_piecewise_compilation()
+    assert CUDAGraphMode.FULL_AND_PIECEWISE.requires_piecewise_compilation()

@@ -47,7 +47,9 @@ Run = tuple[str, str, "str | None"]  # (framework, mode, disagg's correction or 
 def parse_runs(spec: str, gpus: int) -> list[list[Run]]:
     """``--runs``: comma-separated items, each ``framework[:mode[:correction]]`` or alternatives joined by
     ``|`` (the next runs only if the one before trained no step: ``verl|verl:legacy``) (pure). A mode
-    left out is the framework's best documented one for ``gpus`` GPUs; a correction left out, its default."""
+    left out is the framework's best documented one for ``gpus`` GPUs; a correction left out, its default.
+    A disagg item may end in ``@key=value`` settings, each one more ``disagg train`` override
+    (``disagg:async@rollout.compile=false``); they stay in its mode's name, so its label says what ran."""
     from disagg.bench.peers import disagg_run, trl_run, verl_run
 
     modes = {"trl": trl_run.MODES, "verl": verl_run.MODES}  # disagg's: disagg_run.staleness
@@ -57,7 +59,8 @@ def parse_runs(spec: str, gpus: int) -> list[list[Run]]:
     for item in filter(None, (x.strip() for x in spec.split(","))):
         alternatives = []
         for alt in item.split("|"):
-            parts = alt.split(":")
+            head, *settings = alt.split("@")
+            parts = head.split(":")
             fw = parts[0]
             if fw not in FRAMEWORKS or len(parts) > 3:
                 raise ValueError(f"--runs: {alt!r}: expected framework[:mode[:correction]] with framework one of "
@@ -70,6 +73,11 @@ def parse_runs(spec: str, gpus: int) -> list[list[Run]]:
                     raise ValueError(f"--runs: {alt!r}: {e}") from None
             elif mode not in modes[fw]:
                 raise ValueError(f"--runs: {alt!r}: {fw} modes are {', '.join(modes[fw])}")
+            bad = [x for x in settings if "=" not in x.strip("=")]
+            if settings and (fw != "disagg" or bad):
+                raise ValueError(f"--runs: {alt!r}: settings (@key=value) are for disagg's runs only, each "
+                                 "a `disagg train` override key=value")
+            mode += "".join(f"@{x}" for x in settings)
             correction = parts[2] if len(parts) > 2 else None
             if correction is not None and fw != "disagg":
                 raise ValueError(f"--runs: {alt!r}: only disagg's correction is chosen here (the peers run their "

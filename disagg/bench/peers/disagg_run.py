@@ -2,7 +2,8 @@
 
 Modes: ``sync`` (``algorithm.max_staleness=0``, the default: on-policy, engines armed during the
 step), ``async`` (``max_staleness=1``: the next batch generates while this one trains) and ``asyncN``
-(``max_staleness=N``). One GPU:
+(``max_staleness=N``), each with ``@key=value`` settings after it where the bench gives some
+(``async@rollout.compile=false``: more ``disagg train`` overrides). One GPU:
 ``cluster=one_gpu`` (trainer and engine share it, sync over gloo); two or more: ``cluster=gpu``
 (NCCL). CPU: the bench's own tests.
 """
@@ -20,6 +21,7 @@ from disagg.bench.peers.runs import PeerRun
 def staleness(mode: str) -> int:
     """``algorithm.max_staleness`` of a mode (pure): ``sync`` 0, ``async`` 1, ``asyncN`` N (a heavy tail
     needs a staleness that covers its longest responses, or its long groups are dropped as too stale)."""
+    mode = mode.split("@")[0]
     m = re.fullmatch(r"sync|async(\d*)", mode)
     if m is None or m[1] == "0":
         raise ValueError(f"disagg mode must be sync, async or asyncN (N >= 1: the staleness), got {mode!r}")
@@ -60,7 +62,7 @@ def plan(job: PeerJob, files: JobFiles, gpus: int, mode: str, out: Path, correct
     """``disagg train`` as ``disagg bench peers`` runs it; ``correction``: ``algorithm.off_policy``
     (None: the default)."""
     run_dir = out / "run"
-    args = overrides(job, files, gpus, mode, run_dir)
+    args = overrides(job, files, gpus, mode, run_dir) + mode.split("@")[1:]
     if correction is not None:
         args.append(f"algorithm.off_policy={correction}")
     from disagg.config.files import compose_train

@@ -12,7 +12,8 @@ How disagg's options reach SGLang (``backend.engine_args``; refusals in ``config
   (``context_length``), ``max_num_seqs`` (``max_running_requests``), ``gpu_memory_utilization``
   (``mem_fraction_static``: weights and KV pool, SGLang's activations come on top), the engine's seed
   (``random_seed``), ``enforce_eager`` (``disable_cuda_graph``), ``max_cudagraph_capture_size``
-  (``cuda_graph_max_bs_decode``), ``vllm_log_level`` (``log_level``, lower case), ``cpu_affinity``
+  (``cuda_graph_max_bs_decode``), ``compile=true`` (``enable_torch_compile``; null and false: its default,
+  none), ``vllm_log_level`` (``log_level``, lower case), ``cpu_affinity``
   (the actor's cores, which SGLang's child processes inherit).
 - refused, each by its key: ``cluster.device=cpu`` (and ``auto`` where it resolves to CPU: before Ray
   starts); ``rollout.tensor_parallel_size`` > 1 (SGLang starts its TP workers as processes of the

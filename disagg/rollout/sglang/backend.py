@@ -50,6 +50,8 @@ def engine_args(cfg: RolloutConfig, model_path: str, seed: int) -> dict[str, Any
                 log_level=cfg.vllm_log_level.lower())
     if cfg.max_cudagraph_capture_size is not None:
         args["cuda_graph_max_bs_decode"] = cfg.max_cudagraph_capture_size
+    if cfg.compile:  # null and false: SGLang's default, no torch.compile
+        args["enable_torch_compile"] = True
     return args
 
 

@@ -115,12 +115,26 @@ def memory_args(fraction: float) -> dict[str, Any]:
     return {"gpu_memory_utilization": fraction, "kv_cache_memory_bytes": int(fraction * _node_memory_bytes())}
 
 
-def cudagraph_args(max_size: int | None) -> dict[str, Any]:
-    """vLLM's settings for ``rollout.max_cudagraph_capture_size``: the largest decode batch it
-    captures a CUDA graph for (``compilation_config``, a dict on 0.26 and 0.32). Unset, vLLM caps
-    it at min(2 x max_num_seqs, 512) (1024 on data-centre Blackwell): a batch beyond it decodes
-    without graphs, as a stream of 256 groups of 4 samples did on two H200s."""
-    return {} if max_size is None else {"compilation_config": {"max_cudagraph_capture_size": int(max_size)}}
+def compilation_args(max_size: int | None, compile_model: bool | None) -> dict[str, Any]:
+    """vLLM's ``compilation_config`` (a dict on 0.26 and 0.32) for ``rollout.max_cudagraph_capture_size``
+    and ``rollout.compile`` (pure).
+
+    ``max_size``: the largest decode batch vLLM captures a CUDA graph for. Unset, vLLM caps it at
+    min(2 x max_num_seqs, 512) (1024 on data-centre Blackwell): a batch beyond it decodes without
+    graphs, as a stream of 256 groups of 4 samples did on two H200s.
+
+    ``compile_model=False``: compilation mode NONE (0) and ``cudagraph_mode`` FULL_DECODE_ONLY. Left
+    at its default (FULL_AND_PIECEWISE) with mode NONE, vLLM 0.26 drops every graph ("Cudagraph mode
+    ... is not compatible with compilation mode ... Overriding to NONE": piecewise graphs need its
+    compiled pieces) and 0.32 keeps the full ones; full graphs need no compilation on either, and the
+    decode steps, which dominate a rollout, replay one graph each. vLLM's own CUDA kernels stand in
+    for what Inductor would have fused (custom ops ``all`` without compilation)."""
+    cc: dict[str, Any] = {}
+    if max_size is not None:
+        cc["max_cudagraph_capture_size"] = int(max_size)
+    if compile_model is False:
+        cc.update(mode=0, cudagraph_mode="FULL_DECODE_ONLY")
+    return {"compilation_config": cc} if cc else {}
 
 
 def cudagraph_max_size(engine) -> int | None:
