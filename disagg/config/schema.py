@@ -309,6 +309,14 @@ class AlgorithmConfig:
     max_staleness: int = 0
     """Max policy versions between a sample's oldest token and the version being trained
     (0 = synchronous on-policy). Changeable at run time: `disagg ctl set-staleness N`."""
+    stale_groups: Literal["drop", "wait"] = "drop"
+    """What happens to a prompt group that is still generating when the next step would leave it too
+    stale for any later one (a long response of a heavy tail at a small staleness limit). 'drop': the
+    steps go on; the group is stopped by its engine at the next sync and its samples are counted in
+    ``samples/dropped_stale``. 'wait': the step waits for it (trainer idle, engines generating) and
+    trains it, oldest first, so no sample is lost and the limit holds (AReaL bounds staleness the same
+    way); ``samples/steps_held_for_old_groups`` counts the steps that waited. Stream scheduler only
+    (the batch scheduler waits for every group anyway)."""
     sync_interval: int = 1
     """The engines take every N-th version the trainer makes (and its last); the steps between
     train on without a sync. Each sync interrupts generation (requests in flight pause, or are

@@ -61,7 +61,7 @@ class Pipeline:
         state = job.coordinator.state
         self.groups: Counter = Counter()  # the loop's own events: groups taken, trained, dropped as invalid
         self.scored: Counter = Counter()  # the scorer's counts (invalid groups, reward errors, ...)
-        self.sched = GroupScheduler(algo.prompts_per_step, roll.max_inflight_groups, roll.scheduler)
+        self.sched = GroupScheduler(algo.prompts_per_step, roll.max_inflight_groups, roll.scheduler, algo.stale_groups)
         self.runners = AgentRunners(cfg)
         sampling = SamplingSpec(max_tokens=roll.max_tokens, temperature=roll.temperature, top_p=roll.top_p,
                                 n=algo.group_size)

@@ -54,10 +54,14 @@ class GroupScheduler:
     all of them completed.
     """
 
-    def __init__(self, batch_groups: int, max_inflight: int, mode: str = "stream") -> None:
+    def __init__(self, batch_groups: int, max_inflight: int, mode: str = "stream", stale_groups: str = "drop") -> None:
         if mode not in ("stream", "batch"):
             raise ValueError(f"rollout.scheduler must be 'stream' or 'batch', got {mode!r}")
+        if stale_groups not in ("drop", "wait"):
+            raise ValueError(f"algorithm.stale_groups must be 'drop' or 'wait', got {stale_groups!r}")
         self.batch_groups, self.max_inflight, self.mode = batch_groups, max_inflight, mode
+        self.stale_groups = stale_groups
+        self._held = False  # the next batch waits for groups that would be too stale after it ('wait')
         self.inflight: dict[int, Group] = {}  # generating or being scored
         self.ready: deque[Group] = deque()  # scored, waiting for a batch, in completion order
         self.counts: Counter = Counter()
@@ -151,16 +155,30 @@ class GroupScheduler:
         self.counts["dropped_stale_groups"] += 1
         self.counts["dropped_stale_in_flight_groups"] += 1
 
+    def last_chance(self, train_version: int, max_staleness: int) -> list[Group]:
+        """Groups still generating or scoring that only the step on ``train_version`` can train: the
+        next one, on ``train_version + 1``, would find them too stale (``algorithm.stale_groups=wait``
+        holds the step for them)."""
+        return [g for g in self.inflight.values() if train_version + 1 - g.min_version > max_staleness]
+
     def take_batch(self, train_version: int, max_staleness: int) -> list[Group] | None:
         """The groups to train on ``train_version``, or None if not ready yet.
 
         Ready groups whose oldest token is more than ``max_staleness`` versions behind
         are dropped first (``counts['dropped_stale']`` samples, ``['dropped_stale_groups']``).
+        With ``stale_groups="wait"`` (stream) no batch is formed while a group that only this step
+        can train is still in flight (``last_chance``); it is then among the oldest, taken first.
         """
         self.drop_stale(train_version, max_staleness)
         if self.mode == "stream":
+            if self.stale_groups == "wait" and self.last_chance(train_version, max_staleness):
+                self._held = True
+                return None
             if len(self.ready) < self.batch_groups:
                 return None
+            if self._held:
+                self.counts["steps_held_for_old_groups"] += 1
+                self._held = False
             # Oldest policy version first (completion order among equals): a long group that
             # finished late is trained before it becomes too stale, not behind newer short ones.
             order = sorted(range(len(self.ready)), key=lambda i: self.ready[i].min_version)[: self.batch_groups]

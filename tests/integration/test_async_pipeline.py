@@ -398,10 +398,10 @@ def test_a_sync_stops_the_requests_no_step_can_train_and_no_other(job, tok):
     a_sync_stops_what_no_step_can_train(job, prompt, LONG_TOKENS)
 
 
-def _stream_with_long_groups(job, tok, limit: int, every: int):
+def _stream_with_long_groups(job, tok, limit: int, every: int, stale_groups: str = "drop"):
     """A stream pipeline (16 groups in flight) at staleness ``limit`` whose every ``every``-th group
     runs LONG_TOKENS (the others 4 tokens), from a version synced now: (the pipeline, that version,
-    engine 0's stats before it runs)."""
+    engine 0's stats before it runs). ``stale_groups``: ``algorithm.stale_groups``."""
     import dataclasses
     import itertools
 
@@ -418,7 +418,8 @@ def _stream_with_long_groups(job, tok, limit: int, every: int):
         return SamplingSpec(max_tokens=n, temperature=1.0, n=job.cfg.algorithm.group_size, ignore_eos=True)
 
     cfg = dataclasses.replace(job.cfg, rollout=dataclasses.replace(job.cfg.rollout, scheduler="stream",
-                                                                   max_inflight_groups=16))
+                                                                   max_inflight_groups=16),
+                              algorithm=dataclasses.replace(job.cfg.algorithm, stale_groups=stale_groups))
     return _pipeline(job, tok, cfg=cfg, sampling_for=lengths), first, before
 
 
@@ -442,6 +443,27 @@ def test_a_stream_stops_the_groups_no_step_can_train_and_loses_none(job, tok):
     assert records[-1]["rollout/prompts_lost"] == 0 and pipeline.prompts_lost() == 0
     assert all(r["policy/staleness_max"] <= 1 for r in records)
     assert all(r["samples/trained"] > 0 for r in records)
+
+
+def test_a_stream_that_waits_for_its_old_groups_trains_every_long_group_within_the_limit(job, tok):
+    """algorithm.stale_groups=wait, the same heavy tail as above: the steps that are a long group's last
+    chance wait for it, so no sample is dropped as stale (none stopped in flight) and none trained is
+    past the limit."""
+    import ray
+
+    engine = job.rollout.engines[0]
+    pipeline, first, before = _stream_with_long_groups(job, tok, limit=1, every=4, stale_groups="wait")
+    records = pipeline.run(8, first_step=first)
+    after = ray.get(engine.get_stats.remote(), timeout=60)
+    last = records[-1]
+    assert last["samples/steps_held_for_old_groups"] > 0, last
+    assert last["samples/dropped_stale"] == 0 and last.get("samples/dropped_stale_in_flight_groups", 0) == 0, last
+    # groups the run left in flight at its end may be stopped by its last sync: no more than those
+    assert after["dropped_stale_in_flight"] - before["dropped_stale_in_flight"] <= pipeline.abandoned_groups
+    assert all(r["policy/staleness_max"] <= 1 for r in records)
+    # long responses were trained (the short ones are 4 tokens each: any long group lifts a step's mean)
+    assert sum(r["response/len_mean"] > 4.5 for r in records) >= 2, [r["response/len_mean"] for r in records]
+    assert last["rollout/prompts_lost"] == 0 and pipeline.prompts_lost() == 0
 
 
 def test_groups_still_generating_when_a_run_ends_are_aborted_in_the_engine(job, tok):

@@ -135,10 +135,14 @@ def test_a_kept_responses_first_token_version_comes_from_its_first_cut_with_toke
 @pytest.mark.parametrize("mode", ["stream", "batch"])
 @pytest.mark.parametrize("limit,lowered", [(0, None), (1, None), (3, None), (3, 0), (2, 1)])
 def test_simulated_run_loses_no_group_and_trains_nothing_too_stale(mode: str, limit: int, lowered) -> None:
+    _simulated_run(mode, limit, lowered)
+
+
+def _simulated_run(mode: str, limit: int, lowered, stale_groups: str = "drop") -> GroupScheduler:
     """The driver's decisions (admit, then take a batch when the trainer is free) against a simulated
     cluster; ``lowered``: the limit is lowered at run time, as `disagg ctl set-staleness` does."""
     rng = random.Random(limit * 7 + len(mode))
-    s = GroupScheduler(batch_groups=4, max_inflight=16, mode=mode)
+    s = GroupScheduler(batch_groups=4, max_inflight=16, mode=mode, stale_groups=stale_groups)
     version, engine_version, submitted, trained, running = 1, 1, 0, [], []
     finish_at: dict[int, float] = {}
     clock = 0.0
@@ -178,6 +182,37 @@ def test_simulated_run_loses_no_group_and_trains_nothing_too_stale(mode: str, li
     assert max(running) <= 16
     if limit == 0 and lowered is None:
         assert dropped == 0  # admission keeps the synchronous loop from producing stale groups
+    return s
+
+
+@pytest.mark.parametrize("limit", [1, 2])
+def test_waiting_for_old_groups_trains_the_whole_tail_within_the_limit(limit: int) -> None:
+    """A heavy tail (1 group in 10 takes 50 steps' worth of time) at a small limit: dropping loses the
+    long groups; algorithm.stale_groups=wait holds the steps that are their last chance and loses none
+    (every trained group within the limit: _simulated_run's own checks)."""
+    dropping = _simulated_run("stream", limit, None, "drop")
+    waiting = _simulated_run("stream", limit, None, "wait")
+    assert dropping.counts["dropped_stale_groups"] > 0
+    assert waiting.counts["dropped_stale_groups"] == 0 and waiting.counts["steps_held_for_old_groups"] > 0
+    assert "steps_held_for_old_groups" not in dropping.counts
+
+
+def test_a_step_waits_only_for_groups_it_is_the_last_to_be_able_to_train() -> None:
+    s = GroupScheduler(batch_groups=2, max_inflight=8, stale_groups="wait")
+    for gid, v in [(0, 5), (1, 5), (2, 4), (3, 3)]:
+        s.submitted(_group(gid, v))
+    s.finished(0, _samples(0, [5]))
+    s.finished(1, _samples(1, [5]))
+    # limit 2, training version 5: group 3 (from version 3) can be trained by this step only
+    assert [g.gid for g in s.last_chance(5, 2)] == [3]
+    assert s.take_batch(train_version=5, max_staleness=2) is None  # two groups ready, but 3 would be lost
+    s.finished(3, _samples(3, [3, 4, 5]))
+    assert [g.gid for g in s.take_batch(train_version=5, max_staleness=2)] == [3, 0]  # the oldest first
+    assert s.counts["steps_held_for_old_groups"] == 1
+    # group 2 (version 4) has one more step: the next step, on 6, is its last and waits for it
+    assert s.take_batch(train_version=6, max_staleness=2) is None and not s.last_chance(5, 2)
+    with pytest.raises(ValueError, match="algorithm.stale_groups.*'keep'"):
+        GroupScheduler(2, 8, stale_groups="keep")
 
 
 @pytest.mark.parametrize("gids, workers, first, calls", [
