@@ -16,11 +16,15 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from disagg.config import Config
 from disagg.errors import TransportError
 from disagg.logs import ray_get_logged
 from disagg.rollout.types import sync_timeline
+
+if TYPE_CHECKING:
+    from disagg.transport.model_transfer import Arm
 
 log = logging.getLogger("disagg.job")
 
@@ -48,7 +52,7 @@ class SyncStats:
 class ArmedReceive:
     """Engines waiting on the transport group for a version the trainer does not hold yet (``WeightSync.arm``)."""
 
-    arm_id: int
+    arm: Arm  # the armed sync, as every party of it was handed it
     policy_version: int
     refs: list  # every engine's receive
     engine_ids: tuple[int, ...]
@@ -96,7 +100,7 @@ class WeightSync:
         self.transport_epoch = 0
         self._manifest = None  # the trainer's manifest (asked of it at the first sync)
         self.armed: ArmedReceive | None = None
-        self._arm_ids = 0
+        self._num_arms = 0  # how many syncs were armed: the last one's Arm.id
         self._last_sync_s: float | None = None  # the last sync's announce -> serving (``sync_stats``)
         self._signals = None  # the driver's word to armed pushes and receives (transport.signals: signals.py)
         self.signals = cfg.transport.signals  # how the groups' words travel (set_signals: benchmarks)
@@ -182,22 +186,22 @@ class WeightSync:
         sets that word after the announce: no Ray, engine-core or trainer dispatch between the announce
         and the wire (without overlap_push it calls the trainer, whose push wakes the engines).
         ``disarm`` calls it off."""
+        from disagg.transport.model_transfer import Arm
+
         if self.armed is not None:
             raise TransportError(f"an armed receive (version {self.armed.policy_version}) is already waiting")
         if self._manifest is None:
             self._manifest = self.trainer.manifest(policy_version)
-        self._arm_ids += 1
-        # With the trainer's push armed too, its header goes out now and every worker takes it before
-        # the word (a dense push's: WeightSender.send(header_first=True)); after the word, only buckets.
+        self._num_arms += 1
+        # With the trainer's push armed too (push_waits), its header goes out now and every worker takes
+        # it before the word (a dense push's); after the word, only buckets.
+        arm = Arm(self._num_arms, timeout_s, push_waits=self._signals is not None)
         refs = self.rollout.receive_weights_async(policy_version, digest=self._manifest.layout_digest(), ack=False,
-                                                  arm_id=self._arm_ids, arm_timeout_s=timeout_s,
-                                                  max_staleness=self.coordinator.state.max_staleness(),
-                                                  arm_header=self._signals is not None)
-        pushes = (self.trainer.push_weights_async(policy_version, False, self._arm_ids, go_timeout_s=timeout_s,
-                                                  last_sync_s=self._take_last_sync_s())
-                  if self._signals is not None else [])
-        self.armed = ArmedReceive(self._arm_ids, policy_version, refs, tuple(self.rollout.engine_ids),
-                                  self.transport_epoch, pushes)
+                                                  max_staleness=self.coordinator.state.max_staleness(), arm=arm)
+        pushes = (self.trainer.push_weights_async(policy_version, False, arm, last_sync_s=self._take_last_sync_s())
+                  if arm.push_waits else [])
+        self.armed = ArmedReceive(arm, policy_version, refs, tuple(self.rollout.engine_ids), self.transport_epoch,
+                                  pushes)
 
     def disarm(self, timeout_s: float | None = None) -> None:
         """Call off the armed receive, if any: the trainer tells the engines, which return having loaded
@@ -212,9 +216,9 @@ class WeightSync:
 
                 self._go(armed, ARM_CANCEL)
             else:
-                ray_get_logged(self.trainer.disarm_async(armed.arm_id), what=f"calling off armed receive "
-                               f"{armed.arm_id}", timeout_s=timeout_s, log=log)
-            ray_get_logged(armed.pushes + armed.refs, what=f"armed receive {armed.arm_id} to return",
+                ray_get_logged(self.trainer.disarm_async(armed.arm), what=f"calling off armed receive "
+                               f"{armed.arm.id}", timeout_s=timeout_s, log=log)
+            ray_get_logged(armed.pushes + armed.refs, what=f"armed receive {armed.arm.id} to return",
                            timeout_s=timeout_s, log=log)
         except Exception as e:  # noqa: BLE001 - a dead party is the caller's to handle: the next sync finds it
             log.warning("armed receive of version %d not called off cleanly: %s", armed.policy_version,
@@ -227,8 +231,8 @@ class WeightSync:
         after it. A store that is gone means its trainer rank died: its push's ref says so."""
         from disagg.transport.model_transfer import arm_key, go_key
 
-        for failed in self._signals.signal({go_key(armed.arm_id): word, arm_key(armed.arm_id): word}):
-            log.warning("armed push %d: could not say %r (%s)", armed.arm_id, word, failed)
+        for failed in self._signals.signal({go_key(armed.arm.id): word, arm_key(armed.arm.id): word}):
+            log.warning("armed push %d: could not say %r (%s)", armed.arm.id, word, failed)
 
     def start(self, policy_version: int, trainer_step: int, from_snapshot: bool = False) -> PendingSync:
         """Announce ``policy_version`` and start its broadcast; engines keep generating until they
@@ -264,7 +268,7 @@ class WeightSync:
             self._go(armed, ARM_SEND)
             pushes, receives = armed.pushes, armed.refs
         elif armed is not None:  # the engines wait on the group: the trainer's push wakes them
-            pushes = self.trainer.push_weights_async(policy_version, from_snapshot, armed.arm_id,
+            pushes = self.trainer.push_weights_async(policy_version, from_snapshot, armed.arm,
                                                      last_sync_s=self._take_last_sync_s())
             receives = armed.refs
         else:

@@ -13,9 +13,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import TYPE_CHECKING
 
 from disagg.errors import ChecksumError, RolloutError
 from disagg.rollout.types import SyncReport
+
+if TYPE_CHECKING:
+    from disagg.transport.model_transfer import Arm
 
 log = logging.getLogger("disagg.rollout")
 
@@ -36,8 +40,8 @@ class EngineSync:
     """``EngineActor``'s weight receive (gate, manifest, quiesce, the update call, resume)."""
 
     async def receive_weights(self, policy_version: int, manifest: dict | None = None, digest: str | None = None,
-                              ack: bool = True, arm_id: int = 0, arm_timeout_s: float = 0.0,
-                              max_staleness: int | None = None, arm_header: bool = False) -> SyncReport:
+                              ack: bool = True, max_staleness: int | None = None,
+                              arm: Arm | None = None) -> SyncReport:
         """Take ``policy_version`` off the wire (concurrently with the trainer's send).
 
         The manifest: ``manifest`` if given, else the one this engine holds when its layout digest is
@@ -48,22 +52,21 @@ class EngineSync:
         reused: this actor's requests are salted by version, and vLLM's prefix cache is cleared when
         requests through the OpenAI server (not salted) came since it last was. ``ack``: tell the
         coordinator this engine serves the version (a driver in the coordinator's process acks from
-        the report instead, sparing a call). ``arm_id``: an armed receive, made before the trainer has
-        the version: the worker waits on the transport group, ready, until the trainer's push says go
-        (within ``arm_timeout_s``), so the sync then costs the wire and nothing of Ray's or vLLM's
-        dispatch; called off by the trainer, it returns a report with ``cancelled`` set. ``arm_header``
-        (the trainer's push is armed too: ``WeightSync.arm``): the worker takes the push's header before
-        the word, so that after it only buckets are posted.
-        ``max_staleness``: the run's limit; once the version serves, the requests that may be dropped
-        and that no step can train any more stop (``_drop_stale``).
+        the report instead, sparing a call). ``max_staleness``: the run's limit; once the version
+        serves, the requests that may be dropped and that no step can train any more stop
+        (``_drop_stale``). ``arm`` (``WeightSync.arm``): an armed receive, made before the trainer has
+        the version: the worker waits on the transport group, ready, until its word comes (within
+        ``arm.timeout_s``), so the sync then costs the wire and nothing of Ray's or vLLM's dispatch;
+        called off, it returns a report with ``cancelled`` set. With ``arm.push_waits`` (the trainer's
+        push is armed too) the worker takes the push's header before the word, so that after it only
+        buckets are posted.
         """
         t0 = time.perf_counter()
         stamps = {"engine_in": time.time()}
         phases: dict[str, float] = {}
         self._not_loading.clear()  # before the first await: a request arriving from now on waits
         try:
-            m, recv_s, stats = await self._load(policy_version, manifest, digest, phases, stamps, arm_id,
-                                                arm_timeout_s, arm_header)
+            m, recv_s, stats = await self._load(policy_version, manifest, digest, phases, stamps, arm)
         finally:
             self._not_loading.set()
         self._report_state("READY")
@@ -116,10 +119,10 @@ class EngineSync:
         return self._manifest
 
     async def _load(self, policy_version: int, manifest: dict | None, digest: str | None, phases: dict[str, float],
-                    stamps: dict[str, float], arm_id: int = 0, arm_timeout_s: float = 0.0, arm_header: bool = False):
+                    stamps: dict[str, float], arm: Arm | None = None):
         """``receive_weights`` behind the closed gate: (the manifest, seconds on the wire, the worker's
         figures); the seconds of each phase go into ``phases``, the update call's clock readings
-        into ``stamps``."""
+        into ``stamps``. ``arm`` reaches the worker as a plain dict (``DisaggUpdateInfo.arm``)."""
         t = time.perf_counter()
 
         def lap(name: str) -> None:
@@ -138,8 +141,8 @@ class EngineSync:
         key = m.layout_digest()
         info = ({"digest": key, "policy_version": policy_version} if key == self._worker_layout
                 else {"manifest": m.to_dict()})
-        if arm_id:
-            info.update(arm_id=arm_id, arm_timeout_s=arm_timeout_s, arm_header=arm_header)
+        if arm is not None:
+            info["arm"] = arm.as_dict()
         self._worker_layout = None  # until this update went through
         try:
             # The cache reset, where one is needed, is queued in the engine core ahead of the update,

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from disagg.config import Config
 from disagg.logs import ray_get_logged
 from disagg.rollout import engines
 from disagg.rollout.types import GenRequest, GenResult
+
+if TYPE_CHECKING:
+    from disagg.transport.model_transfer import Arm
 
 log = logging.getLogger("disagg.rollout")
 
@@ -188,14 +191,11 @@ class RolloutPool:
                 for i, e in enumerate(self.engines)]
 
     def receive_weights_async(self, policy_version: int, digest: str | None = None, ack: bool = True,
-                              arm_id: int = 0, arm_timeout_s: float = 0.0, max_staleness: int | None = None,
-                              arm_header: bool = False) -> list:
-        """Every engine's receive of ``policy_version`` (``EngineActor.receive_weights``; ``arm_id``: armed,
-        waiting for the trainer's word; ``max_staleness``: the run's limit, past which the pipeline's
-        requests in flight stop); the refs."""
-        return [e.receive_weights.remote(policy_version, digest=digest, ack=ack, arm_id=arm_id,
-                                         arm_timeout_s=arm_timeout_s, max_staleness=max_staleness,
-                                         arm_header=arm_header)
+                              max_staleness: int | None = None, arm: Arm | None = None) -> list:
+        """Every engine's receive of ``policy_version`` (``EngineActor.receive_weights``; ``max_staleness``:
+        the run's limit, past which the pipeline's requests in flight stop; ``arm``: armed, waiting for
+        its word); the refs."""
+        return [e.receive_weights.remote(policy_version, digest=digest, ack=ack, max_staleness=max_staleness, arm=arm)
                 for e in self.engines]
 
     def generate(self, requests: list[GenRequest]) -> list[GenResult]:

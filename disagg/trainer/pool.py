@@ -8,7 +8,7 @@ Only metadata and samples cross Ray here; parameters never do.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from disagg import faults
 from disagg.cluster import bundle_order
@@ -17,6 +17,9 @@ from disagg.logs import ray_get_logged
 from disagg.samples import TrainSample
 from disagg.trainer.grpo import mismatch_summary
 from disagg.trainer.worker import TrainerWorker
+
+if TYPE_CHECKING:
+    from disagg.transport.model_transfer import Arm
 
 log = logging.getLogger("disagg.trainer")
 
@@ -116,23 +119,22 @@ class TrainerGroup:
             **mismatch_summary(outs),
         }
 
-    def push_weights_async(self, policy_version: int, from_snapshot: bool = False, arm_id: int = 0,
-                           go_timeout_s: float | None = None, last_sync_s: float | None = None) -> list:
+    def push_weights_async(self, policy_version: int, from_snapshot: bool = False, arm: Arm | None = None,
+                           last_sync_s: float | None = None) -> list:
         """Start the weight push on every rank (rank 0 sends, or every rank with source=shards);
         returns the refs. ``from_snapshot``: send the copy taken by the train step that made
-        ``policy_version`` while the next step may train. ``arm_id``: the engines' armed receive the
-        push wakes. ``go_timeout_s``: an armed push, which waits for the driver's word in the group's
-        store (``TrainerWorker.push_weights``; overlap_push only: it waits on the transport thread).
-        ``last_sync_s``: what the sync before took end to end, for ``transport.delta=auto``."""
-        if go_timeout_s is not None and not self.overlap_push:
+        ``policy_version`` while the next step may train. ``arm``: the engines' armed receive the
+        push wakes; with ``arm.push_waits`` an armed push, which waits for the driver's word in the
+        group's store (``TrainerWorker.push_weights``; overlap_push only: it waits on the transport
+        thread). ``last_sync_s``: what the sync before took end to end, for ``transport.delta=auto``."""
+        if arm is not None and arm.push_waits and not self.overlap_push:
             raise ValueError("an armed push waits on the trainer's transport thread: it needs transport.overlap_push")
-        return [self.transport_method(r, "push_weights").remote(policy_version, from_snapshot, arm_id, go_timeout_s,
-                                                                last_sync_s)
+        return [self.transport_method(r, "push_weights").remote(policy_version, from_snapshot, arm, last_sync_s)
                 for r in range(len(self.workers))]
 
-    def disarm_async(self, arm_id: int) -> list:
-        """Call off the engines' armed receive ``arm_id`` (every sending rank tells its group); the refs."""
-        return [self.transport_method(r, "disarm").remote(arm_id) for r in range(len(self.workers))]
+    def disarm_async(self, arm: Arm) -> list:
+        """Call off the engines' armed receive ``arm`` (every sending rank tells its group); the refs."""
+        return [self.transport_method(r, "disarm").remote(arm) for r in range(len(self.workers))]
 
     def announce(self, coordinator, policy_version: int, trainer_step: int) -> str:
         """Rank 0 announces the version and its manifest to the coordinator over gRPC."""

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from disagg.logs import traced
+
+if TYPE_CHECKING:
+    from disagg.transport.model_transfer import Arm
 
 
 def allocated_bytes(device: torch.device) -> tuple[int, int]:
@@ -116,8 +119,8 @@ class TrainerPush:
                              f"transport.delta={self.transport_cfg.delta!r}")
         self._next_kind = kind
 
-    def push_weights(self, policy_version: int, from_snapshot: bool = False, arm_id: int = 0,
-                     go_timeout_s: float | None = None, last_sync_s: float | None = None) -> dict[str, Any]:
+    def push_weights(self, policy_version: int, from_snapshot: bool = False, arm: Arm | None = None,
+                     last_sync_s: float | None = None) -> dict[str, Any]:
         """``_push``, under the profiler when ``trace_next_push`` asked (its timings then carry the
         profiler's cost). ``last_sync_s``: the sync before, announce -> serving, as the driver saw
         it; ``transport.delta=auto`` weighs that sync's kind by it (the receivers' work included)."""
@@ -125,24 +128,24 @@ class TrainerPush:
             self.delta_chooser.amend(last_sync_s)
         path, self._trace_path = self._trace_path, None
         return traced(path, self.device.type == "cuda",
-                      lambda: self._push(policy_version, from_snapshot, arm_id, go_timeout_s))
+                      lambda: self._push(policy_version, from_snapshot, arm))
 
-    def _push(self, policy_version: int, from_snapshot: bool = False, arm_id: int = 0,
-              go_timeout_s: float | None = None) -> dict[str, Any]:
+    def _push(self, policy_version: int, from_snapshot: bool = False, arm: Arm | None = None) -> dict[str, Any]:
         """Send the current parameters as ``policy_version``; every rank must call this
         (gather mode: the full-tensor gathers are collectives over the trainer ranks).
-        ``arm_id``: the engines wait on the group in an armed receive; this wakes them first.
+        ``arm`` (``WeightSync.arm``): the engines wait on the group in an armed receive; without
+        ``arm.push_waits`` this wakes them first (``ARM_SEND`` on ``arm_key(arm.id)``).
 
         ``from_snapshot``: send the copy the train step that made ``policy_version`` took
         instead; this runs on the actor's ``transport`` thread while the next step trains
         (not with ``source=gather`` over several ranks, whose gathers are collectives).
 
-        ``go_timeout_s``: an armed push (``WeightSync.arm``), called while the step that makes the
-        version still trains: it sets up (its buckets planned, its header on the device), then waits
-        in the group's store for the driver's word (``go_key``), at most that long, and sends the
-        moment it comes, with no Ray call between the announce and the wire. Called off instead, it
-        calls off the engines' receives too and returns ``cancelled``; its wait is ``go_wait_s``, not
-        part of the push.
+        ``arm.push_waits``: an armed push, called while the step that makes the version still trains:
+        it sets up (its buckets planned, its header on the device and, dense, on the wire), then waits
+        in the group's store for the driver's word (``go_key(arm.id)``), at most ``arm.timeout_s``,
+        and sends the moment it comes, with no Ray call between the announce and the wire. Called off
+        instead, it calls off the engines' receives too and returns ``cancelled``; its wait is
+        ``go_wait_s``, not part of the push.
         """
         from disagg.errors import SyncCancelled
         from disagg.transport.sender import EarlyPack
@@ -154,8 +157,8 @@ class TrainerPush:
         out: dict[str, Any] = {"rank": self.rank}
         clock = {"t0": time.perf_counter(), "wall0": time.time()}
         memory: dict[str, int] = {}
-        go = (self._armed_go(policy_version, arm_id, go_timeout_s, out, clock)
-              if go_timeout_s is not None and self.group is not None else None)
+        go = (self._armed_go(policy_version, arm, out, clock)
+              if arm is not None and arm.push_waits and self.group is not None else None)
         image = self.delta_image
         if image is not None and image.version is not None and policy_version <= image.version:
             image.invalidate()  # sent again after a failure: an engine may hold something else, so dense
@@ -168,11 +171,11 @@ class TrainerPush:
             return send_model(self.group, self.model, m, source=self.transport_cfg.source, trainer_rank=self.rank,
                               num_trainer_ranks=self.world_size, num_buffers=self.transport_cfg.num_buffers,
                               verify=self.transport_cfg.verify, sender=self.sender, params=tensors, image=image,
-                              dense=dense, estimate=estimate, go=go, early=early, header_first=go is not None)
+                              dense=dense, estimate=estimate, go=go, early=early)
 
-        if arm_id and go_timeout_s is None and self.group is not None:
+        if arm is not None and not arm.push_waits and self.group is not None:
             # (an armed push's go woke the engines too: WeightSync._go sets both words)
-            self.group.signal(arm_key(arm_id), ARM_SEND)  # the header follows at once
+            self.group.signal(arm_key(arm.id), ARM_SEND)  # the header follows at once
         self._early = early
         try:
             if from_snapshot:
@@ -187,7 +190,7 @@ class TrainerPush:
                     out["peak_extra_bytes"] = allocated_bytes(self.device)[1] - memory["base"]
         except SyncCancelled as e:  # the driver's word was to call it off: the engines' receives too
             self._next_kind = forced
-            self.disarm(arm_id)
+            self.disarm(arm)
             return {**out, "cancelled": str(e), "bytes": 0, "num_buckets": 0, "seconds": 0.0}
         finally:
             if self._early is early:
@@ -199,8 +202,7 @@ class TrainerPush:
         self._timeline.append(("push", policy_version, clock["wall0"], out["trainer_out_unix_s"]))
         return out
 
-    def _armed_go(self, policy_version: int, arm_id: int, go_timeout_s: float, out: dict[str, Any],
-                  clock: dict[str, float]):
+    def _armed_go(self, policy_version: int, arm: Arm, out: dict[str, Any], clock: dict[str, float]):
         """An armed push's wait for the driver's word, called by the send once it is set up (its
         buckets planned, its header on the device): the wire starts right after it. Called off:
         nothing is sent (``SyncCancelled``). Its wait goes into ``out["go_wait_s"]``, and the push's
@@ -212,11 +214,11 @@ class TrainerPush:
             self._go_waiting.set()  # (set up: params_final(wait_s) may go on)
             t_wait = time.perf_counter()
             try:
-                said = self.group.await_signal(go_key(arm_id), go_timeout_s, f"the driver's go for version "
+                said = self.group.await_signal(go_key(arm.id), arm.timeout_s, f"the driver's go for version "
                                                f"{policy_version}")
             except BaseException:
                 with contextlib.suppress(Exception):  # the engines need not wait out their own timeouts
-                    self.disarm(arm_id)
+                    self.disarm(arm)
                 raise
             out["go_wait_s"] = time.perf_counter() - t_wait
             if said != ARM_SEND:
@@ -272,12 +274,13 @@ class TrainerPush:
             snap.event.synchronize()
         return {"seconds": time.perf_counter() - t0, "bytes": snap.nbytes}
 
-    def disarm(self, arm_id: int) -> None:
-        """Call off the engines' armed receive ``arm_id``: they return without receiving anything."""
+    def disarm(self, arm: Arm) -> None:
+        """Call off the engines' armed receive ``arm`` (``ARM_CANCEL`` on ``arm_key(arm.id)``): they
+        return without receiving anything."""
         from disagg.transport.model_transfer import ARM_CANCEL, arm_key
 
         if self.group is not None:
-            self.group.signal(arm_key(arm_id), ARM_CANCEL)
+            self.group.signal(arm_key(arm.id), ARM_CANCEL)
 
     def _send_snapshot(self, policy_version: int, send):
         """``send`` the snapshot of ``policy_version``, holding it so no train step refills it meanwhile

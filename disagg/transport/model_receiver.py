@@ -46,7 +46,7 @@ from disagg.transport.copyplan import BucketReplay, CopyPlan, Recorded, learn
 from disagg.transport.delta import DeltaImage
 from disagg.transport.group import TransportGroup, create_group, timed_raw_broadcasts
 from disagg.transport.manifest import BucketPlan, Manifest
-from disagg.transport.model_transfer import armed_go, receive_model
+from disagg.transport.model_transfer import Arm, receive_model
 
 # A rollout worker's lines, whichever engine hosts the receiver.
 log = logging.getLogger("disagg.rollout.transfer")
@@ -79,9 +79,7 @@ class DisaggUpdateInfo:
     manifest: dict | None = None  # the whole manifest; None: the one this worker holds, at ``policy_version``
     digest: str = ""  # the layout digest of the manifest meant (checked against the one held)
     policy_version: int = 0
-    arm_id: int = 0  # an armed receive (waits for its word first: transport.signals); 0: not armed
-    arm_timeout_s: float = 0.0  # how long an armed receive waits for that word
-    arm_header: bool = False  # the trainer's push is armed too: its header is taken before the word
+    arm: dict | None = None  # an armed receive (``Arm.as_dict``: waits for its word first); None: not armed
 
 
 @dataclass(frozen=True)
@@ -191,15 +189,15 @@ class ModelReceiver:
         self.last_stats = {"policy_version": manifest.policy_version, "rejected": None, "load_mode": self.load_mode,
                            "signals": self.groups[0].signals}  # how this worker's groups take their words
         parts = self._plan_for(manifest)
-        go = self._armed(info, manifest.policy_version) if info.arm_id else None
+        arm = Arm.from_dict(info.arm) if info.arm is not None else None
         try:
             # A delta loads every tensor where a layerwise reload needs whole layers, and where a copy
             # plan is being learned (it must see every tensor); direct loads replay only what changed.
             stats = receive_model(self.groups, manifest, self._load, device=self.device, source=self.info.source,
-                                  num_buffers=self.info.num_buffers, verify=self.info.verify, go=go,
+                                  num_buffers=self.info.num_buffers, verify=self.info.verify, arm=arm,
                                   images=self.images,
                                   load_unchanged=self.load_mode != "direct" or self._learning is not None,
-                                  parts=parts, header_first=info.arm_header)
+                                  parts=parts)
         except SyncCancelled as e:  # before any byte moved: the model is untouched
             self._learning = None
             self.last_stats["cancelled"] = str(e)
@@ -213,6 +211,8 @@ class ModelReceiver:
             self._mend_reload()
             raise
         self._keep_learned()
+        if arm is not None:  # the wait for the word came before the announce: not part of the sync's time
+            self._times.update(armed_wait_s=stats.go_wait_s, armed_go_unix_s=stats.go_unix_s)
         self.last_stats.update(bytes=stats.bytes, seconds=stats.seconds, num_buckets=stats.num_buckets,
                                num_tensors=stats.num_tensors, copy_plan=self._plan_note,
                                wire_start_unix_s=stats.header_unix_s, wire_end_unix_s=stats.wire_end_unix_s,
@@ -285,21 +285,6 @@ class ModelReceiver:
             self._plan_note = "replayed by bucket"
         return PartLoader(plan.part_names, self._load_part,
                           bucket=None if replay is None else functools.partial(self._load_bucket, replay))
-
-    def _armed(self, info: DisaggUpdateInfo, version: int) -> Callable[[TransportGroup], None]:
-        """An armed receive's ``go``: the wait for the sender's word, timed apart from the sync."""
-        wait = armed_go(info.arm_id, info.arm_timeout_s,
-                        f"the trainer's push of version {version} (armed receive {info.arm_id})")
-
-        def go(group: TransportGroup) -> None:
-            t = time.perf_counter()
-            try:
-                wait(group)
-            finally:  # the wait before the announce: not part of the sync's time
-                self._times["armed_wait_s"] = max(self._times.get("armed_wait_s", 0.0), time.perf_counter() - t)
-                self._times["armed_go_unix_s"] = time.time()  # the sync's part starts here
-
-        return go
 
     def _mend_reload(self) -> None:
         """After a broken receive: a layerwise reload left half done (some layers on the meta device) is

@@ -25,6 +25,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
@@ -93,8 +94,7 @@ def send_model(group: TransportGroup | None, model: torch.nn.Module, full: Manif
                trainer_rank: int, num_trainer_ranks: int, num_buffers: int = 2, verify: bool = False,
                sender: WeightSender | None = None, params: Mapping[str, torch.Tensor] | None = None,
                image: DeltaImage | None = None, dense: bool = False, estimate: bool = False,
-               go: Callable[[], None] | None = None, early: EarlyPack | None = None,
-               header_first: bool = False) -> SendStats | None:
+               go: Callable[[], None] | None = None, early: EarlyPack | None = None) -> SendStats | None:
     """Send ``model``'s parameters as ``full.policy_version``; call on every trainer rank.
 
     ``group`` is this rank's source group (None for non-zero ranks in gather mode).
@@ -103,12 +103,12 @@ def send_model(group: TransportGroup | None, model: torch.nn.Module, full: Manif
     parameters must then be updated in place, as optimizers and ``load_state_dict``
     do. ``image`` (``transport.delta``): this rank's image of what its group's receivers hold; the
     send is then ``WeightSender.send_delta`` (``dense``: a dense one that keeps the image). ``go``:
-    an armed push's wait for the driver's word, once the send is set up (``WeightSender.send``;
-    not with gathers over several ranks, whose collectives cannot wait); ``early``: its first buckets
-    may be packed as the step ends, before the word (``EarlyPack``; dense sends); ``header_first``: its
-    header goes out before the word, to receivers that take it before theirs (dense sends:
-    ``WeightSender.send``). Returns the send statistics on ranks that sent, None on ranks that only
-    gathered.
+    an armed push's wait for the driver's word (``Arm.push_waits``), once the send is set up
+    (``WeightSender.send``; not with gathers over several ranks, whose collectives cannot wait); a
+    dense send's header then goes out before the word, as every armed receive takes it before its own
+    (``receive_model``); ``early``: its first buckets may be packed as the step ends, before the word
+    (``EarlyPack``; dense sends). Returns the send statistics on ranks that sent, None on ranks that
+    only gathered.
     """
     params = dict(model.named_parameters()) if params is None else params
     device = next(iter(params.values())).device  # buckets are packed there (WeightSender)
@@ -116,7 +116,7 @@ def send_model(group: TransportGroup | None, model: torch.nn.Module, full: Manif
     def send(manifest: Manifest, tensors=None, fill=None) -> SendStats:
         s = sender or WeightSender(group, 0, num_buffers, verify, device=device)
         if image is None:
-            return s.send(manifest, tensors, fill, go=go, early=early, header_first=header_first)
+            return s.send(manifest, tensors, fill, go=go, early=early, header_first=go is not None)
         return s.send_delta(manifest, image, tensors, fill, dense=dense, estimate=estimate, go=go)
 
     if source == "gather":
@@ -311,27 +311,28 @@ class ShardAssembler:
 
 
 def receive_model(groups: list[TransportGroup], full: Manifest, load_fn: LoadFn, *, device: torch.device,
-                  source: str, num_buffers: int = 2, verify: bool = False,
-                  go: Callable[[TransportGroup], None] | None = None, images: list[DeltaImage] | None = None,
-                  load_unchanged: bool = False, parts: PartLoader | None = None,
-                  header_first: bool = False) -> ReceiveStats:
-    """Receive ``full.policy_version`` from one group (gather) or one group per trainer rank (shards);
-    ``go``: an armed receive's wait for each group's sender (``receive_weights``). ``images``
+                  source: str, num_buffers: int = 2, verify: bool = False, arm: Arm | None = None,
+                  images: list[DeltaImage] | None = None, load_unchanged: bool = False,
+                  parts: PartLoader | None = None) -> ReceiveStats:
+    """Receive ``full.policy_version`` from one group (gather) or one group per trainer rank (shards).
+    ``arm``: an armed receive, each group's waiting for its word first (``Arm.receive_go``); with
+    ``arm.push_waits`` a dense receive takes each group's header before that word (a delta's header
+    follows its sender's word); the waits in ``go_wait_s`` / ``go_unix_s`` (the slowest group's). ``images``
     (``transport.delta``): one per group, received with ``receive_delta``; ``load_unchanged`` then
     loads every tensor, not only those that changed (a loader that needs whole layers; the shards
     of one tensor come from every group, so ``shards`` always does). ``parts``: a dense receive from
     one group hands the tensors split over buckets it names to it a part at a time
-    (``receive_weights``); ignored where the receive is a delta or comes from several groups.
-    ``header_first``: each group's header taken before ``go`` (dense receives: ``receive_weights``;
-    a delta's header follows its sender's word)."""
+    (``receive_weights``); ignored where the receive is a delta or comes from several groups."""
     t0 = time.perf_counter()
     if images is not None and len(images) != len(groups):
         raise ValueError(f"{len(images)} delta images for {len(groups)} transport groups")
+    go = arm.receive_go(full.policy_version) if arm is not None else None
 
     def receive(r: int, manifest: Manifest, load: LoadFn) -> ReceiveStats:
         if images is None:
             return receive_weights(groups[r], manifest, load, device, num_buffers=num_buffers, verify=verify, go=go,
-                                   parts=parts if source == "gather" else None, header_first=header_first)
+                                   parts=parts if source == "gather" else None,
+                                   header_first=arm is not None and arm.push_waits)
         return receive_delta(groups[r], manifest, load, images[r], device, verify=verify, go=go,
                              load_unchanged=load_unchanged or source == "shards")
 
@@ -366,7 +367,8 @@ def receive_model(groups: list[TransportGroup], full: Manifest, load_fn: LoadFn,
                         num_buckets=sum(s.num_buckets for s in stats), num_tensors=len(full.tensors),
                         header_s=max(s.header_s for s in stats), header_unix_s=max(s.header_unix_s for s in stats),
                         wire_end_unix_s=max(s.wire_end_unix_s for s in stats), loaded_unix_s=time.time(),
-                        posted_unix_s=max(s.posted_unix_s for s in stats))
+                        posted_unix_s=max(s.posted_unix_s for s in stats), go_wait_s=max(s.go_wait_s for s in stats),
+                        go_unix_s=max(s.go_unix_s for s in stats))
 
 
 ARM_SEND, ARM_CANCEL = "send", "cancel"
@@ -394,6 +396,44 @@ def armed_go(arm_id: int, timeout_s: float, what: str) -> Callable[[TransportGro
             raise SyncCancelled(f"{what}: called off by the sender ({said!r}); nothing was received")
 
     return go
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One armed weight sync (``WeightSync.arm``), handed whole from the driver to the trainer's push and
+    to every engine's receive: the parties are put on the transport group before the version exists
+    and wait in each group's store for a word (``ARM_SEND`` or ``ARM_CANCEL``) before the wire starts.
+
+    - Each engine's receive (``receive_model(arm=...)``) waits on ``arm_key(id)``, at most ``timeout_s``;
+      called off, it returns having loaded nothing (``SyncCancelled``).
+    - The trainer's push, where ``push_waits`` is False, is called after the announce: it says
+      ``ARM_SEND`` on ``arm_key(id)`` and sends (its header right after the word). ``TrainerPush.disarm``
+      says ``ARM_CANCEL`` there.
+    - Where ``push_waits`` is True the push is armed too (``transport.overlap_push``): set up while the
+      step trains, it waits on ``go_key(id)`` (at most ``timeout_s``) for the driver's word, which the
+      driver sets on both keys at once (``WeightSync._go``). Its header goes out before that word and
+      every receive takes it before its own, so that after the word only buckets are posted.
+
+    It crosses into an engine's worker as a plain dict (``as_dict``, ``from_dict``): the engines
+    serialise the update info they hand their workers."""
+
+    id: int  # the driver's count of armed syncs (from 1): the store keys' suffix
+    timeout_s: float  # how long each party waits for its word
+    push_waits: bool = False  # the trainer's push waits for the driver's word too; its header goes first
+
+    def as_dict(self) -> dict:
+        """The plain dict an engine's worker gets in its update info (``DisaggUpdateInfo.arm``)."""
+        return {"id": self.id, "timeout_s": self.timeout_s, "push_waits": self.push_waits}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Arm:
+        """The ``Arm`` of ``as_dict``'s dict."""
+        return cls(int(d["id"]), float(d["timeout_s"]), bool(d.get("push_waits", False)))
+
+    def receive_go(self, policy_version: int) -> Callable[[TransportGroup], None]:
+        """A receive's wait for its word (``armed_go`` on ``arm_key(id)``) of ``policy_version``."""
+        return armed_go(self.id, self.timeout_s,
+                        f"the trainer's push of version {policy_version} (armed receive {self.id})")
 
 
 def source_groups_needed(source: str, num_trainer_ranks: int) -> int:

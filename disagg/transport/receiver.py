@@ -44,6 +44,8 @@ class ReceiveStats:
     posted_unix_s: float = 0.0  # the first buckets' receives posted (the wire starts once the sender's are)
     wire_end_unix_s: float = 0.0  # the host saw the last bucket received (its ops complete)
     loaded_unix_s: float = 0.0  # the loads done on the device (the stream synchronised)
+    go_wait_s: float = 0.0  # an armed receive: its wait for the sender's word (``go``), before the sync's part
+    go_unix_s: float = 0.0  # an armed receive: the clock reading when the word came (0: not armed)
 
 
 def receive_weights(group: TransportGroup, manifest: Manifest, load_fn: LoadFn,
@@ -66,9 +68,10 @@ def receive_weights(group: TransportGroup, manifest: Manifest, load_fn: LoadFn,
 
     ``go`` (an armed receive): called with the group once everything is ready and before
     anything is posted; it returns when the sender is about to send, or raises (e.g.
-    ``SyncCancelled``) with the group still in step. With ``header_first`` (the sender's armed
-    push sends its header before its word: ``WeightSender.send(header_first=True)``) the header
-    is taken and checked before ``go``, and only the buckets are posted after it.
+    ``SyncCancelled``) with the group still in step; its wait is ``go_wait_s`` of the figures, apart
+    from ``seconds``. With ``header_first`` (the sender's armed push sends its header before its
+    word: ``WeightSender.send(header_first=True)``) the header is taken and checked before ``go``,
+    and only the buckets are posted after it.
 
     ``parts``: the tensors split over buckets it names go to it a part at a time, as their buckets
     arrive, instead of being assembled and handed to ``load_fn``; with its ``bucket``, whole buckets
@@ -111,12 +114,12 @@ def _receive(recv: "_Receive", go: Callable[[TransportGroup], None] | None, head
     word with ``header_first``, else after it), every bucket in order, then the checks and the loads."""
     if go is not None and header_first:
         recv.take_header()
-        go(recv.group)
+        recv.wait_for(go)
         recv.t0 = time.perf_counter()  # the sync's part starts at the word (the header matched before it)
         recv.post_first()
     else:
         if go is not None:
-            go(recv.group)
+            recv.wait_for(go)
         recv.start()
     for i in range(len(recv.buckets)):
         recv.take(i)
@@ -141,6 +144,8 @@ class _Receive:
         self.t0 = 0.0
         self.header_s = 0.0
         self.posted_unix_s = 0.0
+        self.go_wait_s = 0.0
+        self.go_unix_s = 0.0
 
     def start(self) -> None:
         """Post the header and the first buckets; return once the header matched."""
@@ -170,6 +175,13 @@ class _Receive:
         check_header(self.group, self.manifest, self.way.header)
         self.header_s = time.perf_counter() - self.t0
         self.way.after_header(self)
+
+    def wait_for(self, go: Callable[[TransportGroup], None]) -> None:
+        """An armed receive's wait for the sender's word, timed apart from the sync."""
+        t = time.perf_counter()
+        go(self.group)
+        self.go_wait_s = time.perf_counter() - t
+        self.go_unix_s = time.time()  # the sync's part starts here
 
     def take_header(self) -> None:
         """The header alone, taken and checked (``header_first``: before the armed receive's word)."""
@@ -224,7 +236,8 @@ class _Receive:
         stats = ReceiveStats(bytes=self.wire_bytes, seconds=seconds, num_buckets=len(self.buckets),
                              num_tensors=self.num_tensors, header_s=self.header_s,
                              header_unix_s=loaded - (seconds - self.header_s), wire_end_unix_s=wire_end,
-                             loaded_unix_s=loaded, posted_unix_s=self.posted_unix_s)
+                             loaded_unix_s=loaded, posted_unix_s=self.posted_unix_s, go_wait_s=self.go_wait_s,
+                             go_unix_s=self.go_unix_s)
         self.way.landed(self, stats)
         return stats
 

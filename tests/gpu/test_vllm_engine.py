@@ -363,7 +363,7 @@ def test_direct_syncs_leave_every_vllm_parameter_the_bf16_cast_of_the_trainers_b
         sync = job.sync_weights(v, trainer_step=v)
         assert sync.armed == armed
         if armed:  # its first buckets packed as the train step ended, before the announce (EarlyPack), and its
-            # header out and taken before it too (header_first): after the word, only buckets
+            # header out and taken before it too (Arm.push_waits): after the word, only buckets
             assert sync.timeline.get("trainer_early_packed", 0.0) < 0.0, sync.timeline
             assert sync.timeline["trainer_header"] < 0.0 < sync.timeline["trainer_first"], sync.timeline
         stats = ray.get(engine.get_transfer_stats.remote(), timeout=60)

@@ -18,7 +18,7 @@ from disagg.transport.buckets import bucket_checksum
 from disagg.transport.delta import DeltaImage
 from disagg.transport.group import create_group, pick_free_port, timed_raw_broadcasts
 from disagg.transport.model_receiver import DisaggInitInfo, DisaggUpdateInfo, LayerwiseReload, ModelReceiver
-from disagg.transport.model_transfer import ARM_CANCEL, arm_key
+from disagg.transport.model_transfer import ARM_CANCEL, ARM_SEND, Arm, arm_key
 from disagg.transport.sender import WeightSender, build_manifest
 
 HOST = "127.0.0.1"
@@ -181,10 +181,42 @@ def test_an_armed_receive_called_off_leaves_the_model_alone_and_the_next_sync_la
         w1 = _trainer_tensors(1)
         m = build_manifest(w1.items(), BUCKET_BYTES, policy_version=1)
         off = _sync(receiver, pool, lambda: group.signal(arm_key(4), ARM_CANCEL), manifest=m.to_dict(),
-                    policy_version=1, arm_id=4, arm_timeout_s=TIMEOUT_S)
+                    policy_version=1, arm=Arm(4, TIMEOUT_S).as_dict())
         assert "called off by the sender" in off["cancelled"] and "bytes" not in off
         assert model.num_loader_calls == 0 and not model.qkv.detach().any()
         landed = _sync(receiver, pool, lambda: WeightSender(group).send(m, w1), digest=m.layout_digest(),
                        policy_version=1)
     assert landed["copy_plan"] == "learned" and "cancelled" not in landed
     assert _equal_bits(model, w1)
+
+
+@pytest.mark.parametrize("push_waits", [False, True], ids=["push-wakes", "push-waits"])
+def test_an_armed_receive_lands_bit_for_bit_and_times_its_wait_apart_from_the_sync(push_waits):
+    """The word comes 0.3 s after the receive is on the group: the wait is reported apart
+    (``armed_wait_s``, ``armed_go_unix_s``), before the wire. With ``push_waits`` the trainer's header
+    goes out before its word and the worker takes it before its own (``Arm.push_waits``)."""
+    import json
+    import time
+
+    model = _FusedAttention()
+    receiver = ModelReceiver(model, torch.device("cpu"), engine="test")
+    arm = Arm(7, TIMEOUT_S, push_waits=push_waits)
+    assert Arm.from_dict(json.loads(json.dumps(arm.as_dict()))) == arm  # crosses into a worker as JSON
+    with _joined(receiver, load="direct") as (group, pool):
+        w1 = _trainer_tensors(1)
+        m = build_manifest(w1.items(), BUCKET_BYTES, policy_version=1)
+
+        def word() -> None:
+            time.sleep(0.3)
+            group.signal(arm_key(7), ARM_SEND)
+
+        def send():
+            if push_waits:  # the armed push: its header out before the word
+                return WeightSender(group).send(m, w1, go=word, header_first=True)
+            word()  # the push wakes the receive, then sends
+            return WeightSender(group).send(m, w1)
+
+        landed = _sync(receiver, pool, send, manifest=m.to_dict(), policy_version=1, arm=arm.as_dict())
+    assert "cancelled" not in landed and _equal_bits(model, w1)
+    assert landed["armed_wait_s"] >= 0.25 > landed["seconds"], landed  # the wait is not in the sync
+    assert landed["worker_in_unix_s"] < landed["armed_go_unix_s"] <= landed["wire_end_unix_s"], landed

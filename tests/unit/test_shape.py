@@ -10,8 +10,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 # 2026-12-07 (issue 60 begun: the driver's sync moved into disagg/weightsync.py; one send loop and one
-# receive loop for dense and delta syncs)
-CEILING = {"function_lines": 3, "class_lines": 3, "parameters": 14, "arm_field_files": 9, "manifest_caches": 4,
+# receive loop for dense and delta syncs); arm_field_files 9 -> 3 (issue 60 item 2: an armed sync travels
+# as one Arm, its loose fields left only inside the transport's send and receive loops)
+CEILING = {"function_lines": 3, "class_lines": 3, "parameters": 14, "arm_field_files": 3, "manifest_caches": 4,
            "actor_mixins": 4, "bench_methods_on_actors": 11}
 
 
