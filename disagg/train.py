@@ -241,6 +241,8 @@ class _progress:
             msg["mismatch"] = f"{rec['train/logprob_mismatch_mean']:.3f}"
         if rec.get("samples/dropped_stale"):  # the run's total: samples too stale to train, dropped
             msg["stale_drops"] = rec["samples/dropped_stale"]
+        if rec.get("samples/steps_held_for_old_groups"):  # algorithm.stale_groups=wait: steps that waited
+            msg["held"] = rec["samples/steps_held_for_old_groups"]
         if self.bar is not None:
             self.bar.set_postfix(msg, refresh=False)
             self.bar.update(1)
