@@ -45,6 +45,14 @@ out=${OUT:-bench-out}
 mkdir -p "$out" /tmp/site
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
   VLLM_ATTENTION_BACKEND=FLASH_ATTN VLLM_USE_FLASHINFER_SAMPLER=0 RAY_DEDUP_LOGS=0
+# Bytecode, as pip writes it at install time: the pieces carry sources only (no .pyc), so without
+# this the first process to import vLLM, Ray or a peer compiles them (seconds), and in a `bench peers`
+# run the first framework pays it for the ones after it. Once per folder (marker file).
+compile_site() {
+  [ -f "$1/.disagg-compiled" ] && return 0
+  python3 -m compileall -q -j 0 "$1" >/dev/null 2>&1
+  touch "$1/.disagg-compiled"
+}
 if [ ! -d /tmp/site/vllm ]; then
   ls /tmp/vc/part.0* >/dev/null || { echo "vLLM is not unpacked and /tmp/vc holds no pieces" >&2; exit 2; }
   cat /tmp/vc/part.* | xz -T8 -dc | tar -x -C /tmp/site || exit 2
@@ -55,7 +63,9 @@ if [ ! -d /tmp/site/ray ]; then tar -xJf "$bundle" -C /tmp/site || exit 2; fi
 if [ -d .whl ] && ! cmp -s .whl/disagg-*.whl /tmp/site/.disagg-installed.whl; then
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/disagg-*.whl || exit 2
   cp .whl/disagg-*.whl /tmp/site/.disagg-installed.whl
+  python3 -m compileall -q -j 0 /tmp/site/disagg >/dev/null 2>&1
 fi
+compile_site /tmp/site
 # checkpoint-engine, for `disagg bench vllm-sync --peer checkpoint-engine` (a pure-Python wheel; its
 # needs - pyzmq, fastapi, pydantic, loguru - come with the vLLM pieces): carried in .whl/ too
 for w in .whl/checkpoint_engine-*.whl; do
@@ -69,6 +79,7 @@ if [ -f "$peers" ] && [ ! -d /tmp/site_peers/verl ]; then
   mkdir -p /tmp/site_peers /tmp/site_trl && tar -xJf "$peers" -C /tmp/site_peers || exit 2
   mv /tmp/site_peers/trl /tmp/site_peers/trl-*.dist-info /tmp/site_trl/ || exit 2
 fi
+for d in /tmp/site_peers /tmp/site_trl; do [ -d "$d" ] && compile_site "$d"; done
 export PYTHONPATH="/tmp/site:$PWD"
 engine_args=()
 if [ "${ENGINE:-vllm}" = sglang ]; then
@@ -76,6 +87,7 @@ if [ "${ENGINE:-vllm}" = sglang ]; then
   if [ ! -d /tmp/site_sgl/sglang ]; then
     mkdir -p /tmp/site_sgl && tar -xJf "$sgl" -C /tmp/site_sgl || { echo "no SGLang site at $sgl" >&2; exit 2; }
   fi
+  compile_site /tmp/site_sgl
   export PYTHONPATH="/tmp/site_sgl:$PYTHONPATH"
   engine_args=(rollout.engine=sglang)
   python3 -c "import sglang, sgl_kernel; print('sglang', sglang.__version__)" || exit 2
