@@ -26,6 +26,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -219,7 +220,8 @@ def _run_one(i: int, fw: str, mode: str, correction: str | None, *, o, job, file
     from disagg.bench.peers.lengths import LENGTHS_ENV
     from disagg.bench.peers.runs import launch, read_trace, summarise
 
-    name = f"{i:02d}-{fw}-{mode}" + (f"-{correction}" if correction else "")
+    # a folder name hydra takes as a value (run settings carry '@' and '='): hydra.run.dir is under it
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", f"{i:02d}-{fw}-{mode}" + (f"-{correction}" if correction else ""))
     run_out = out / name
     site = {"trl": o.trl_site, "verl": o.verl_site}.get(fw)
     if fw != "disagg" and not _on_path(fw, site):
