@@ -22,6 +22,7 @@ from disagg.config import Config
 from disagg.errors import TransportError
 from disagg.logs import ray_get_logged
 from disagg.rollout.types import sync_timeline
+from disagg.transport.manifest import Manifest, ManifestCache
 
 if TYPE_CHECKING:
     from disagg.transport.model_transfer import Arm
@@ -98,7 +99,7 @@ class WeightSync:
         self.cfg, self.backend = cfg, backend
         self.trainer, self.rollout, self.coordinator = trainer, rollout, coordinator
         self.transport_epoch = 0
-        self._manifest = None  # the trainer's manifest (asked of it at the first sync)
+        self._manifest_cache = ManifestCache()  # the trainer's manifest (asked of it at the first sync)
         self.armed: ArmedReceive | None = None
         self._num_arms = 0  # how many syncs were armed: the last one's Arm.id
         self._last_sync_s: float | None = None  # the last sync's announce -> serving (``sync_stats``)
@@ -172,7 +173,7 @@ class WeightSync:
         counts = ray_get_logged([self.trainer.transport_method(w, "replan_buckets").remote(first_bucket_bytes)
                                  for w in range(len(self.trainer.workers))], what="re-planning the buckets",
                                 timeout_s=self.cfg.transport.timeout_s, log=log)
-        self._manifest = None
+        self._manifest_cache.forget()
         return counts[0]
 
     def arm(self, policy_version: int, timeout_s: float) -> None:
@@ -190,18 +191,23 @@ class WeightSync:
 
         if self.armed is not None:
             raise TransportError(f"an armed receive (version {self.armed.policy_version}) is already waiting")
-        if self._manifest is None:
-            self._manifest = self.trainer.manifest(policy_version)
+        digest = self._manifest_at(policy_version).layout_digest()
         self._num_arms += 1
         # With the trainer's push armed too (push_waits), its header goes out now and every worker takes
         # it before the word (a dense push's); after the word, only buckets.
         arm = Arm(self._num_arms, timeout_s, push_waits=self._signals is not None)
-        refs = self.rollout.receive_weights_async(policy_version, digest=self._manifest.layout_digest(), ack=False,
+        refs = self.rollout.receive_weights_async(policy_version, digest=digest, ack=False,
                                                   max_staleness=self.coordinator.state.max_staleness(), arm=arm)
         pushes = (self.trainer.push_weights_async(policy_version, False, arm, last_sync_s=self._take_last_sync_s())
                   if arm.push_waits else [])
         self.armed = ArmedReceive(arm, policy_version, refs, tuple(self.rollout.engine_ids), self.transport_epoch,
                                   pushes)
+
+    def _manifest_at(self, policy_version: int) -> Manifest:
+        """The trainer's manifest at ``policy_version``, asked of it once (its layout changes only when
+        ``replan_buckets`` re-plans it)."""
+        manifest = self._manifest_cache.at(policy_version)
+        return manifest if manifest is not None else self._manifest_cache.hold(self.trainer.manifest(policy_version))
 
     def disarm(self, timeout_s: float | None = None) -> None:
         """Call off the armed receive, if any: the trainer tells the engines, which return having loaded
@@ -253,9 +259,7 @@ class WeightSync:
             self.disarm()
             armed = None
         t0, wall0 = time.perf_counter(), time.time()
-        if self._manifest is None:
-            self._manifest = self.trainer.manifest(policy_version)
-        manifest = self._manifest.with_version(policy_version)
+        manifest = self._manifest_at(policy_version)
         try:
             self.coordinator.state.announce_version(manifest, trainer_step)  # may refuse it: before any byte moves
         except BaseException:

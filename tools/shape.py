@@ -6,8 +6,10 @@ mixins on the actors, benchmark-only methods on production actors.
     python tools/shape.py --check    # exit 1 if any count is over its limit
 
 A manifest cache is a file that holds a manifest between syncs (an attribute ``_manifest`` set to
-None, then filled); a benchmark-only method is one of an actor or of a base class of it whose name
-says so (``bench``, ``peer``, ``trace_next``, ``replan``, ``next_push_as``, ``timed_``).
+None, then filled; annotated or not); ``ManifestCache`` is the one meant to, and a file that makes
+one is a manifest holder (``measure`` lists them; no limit). A benchmark-only method is one of an
+actor or of a base class of it whose name says so (``bench``, ``peer``, ``trace_next``, ``replan``,
+``next_push_as``, ``timed_``).
 Counts are of ``disagg/`` as it is on disk; a function's or class's length is its lines from the
 ``def``/``class`` line (decorators excluded) to its last line, docstring included.
 """
@@ -52,7 +54,7 @@ def _bench_methods(cls: ast.ClassDef, classes: dict[str, ast.ClassDef]) -> list[
 
 
 def measure() -> dict:
-    long_fns, long_classes, wide, arm_files, caches, mixins, bench = [], [], [], set(), set(), [], []
+    long_fns, long_classes, wide, arm_files, caches, holders, mixins, bench = [], [], [], set(), set(), set(), [], []
     classes = _classes()
     for path in _files():
         rel = path.relative_to(ROOT.parent).as_posix()
@@ -74,14 +76,17 @@ def measure() -> dict:
                 if node.name in ACTORS:
                     mixins += [f"{node.name}({ast.unparse(b)})" for b in node.bases]
                     bench += _bench_methods(node, classes)
-            elif isinstance(node, ast.Assign):  # self._manifest = ... : a manifest held between syncs
-                for t in node.targets:
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):  # self._manifest = None: held between syncs
+                for t in node.targets if isinstance(node, ast.Assign) else [node.target]:
                     if isinstance(t, ast.Attribute) and t.attr in ("_manifest", "_manifests", "manifest_cache") \
                             and isinstance(node.value, ast.Constant) and node.value.value is None:
                         caches.add(rel)
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "ManifestCache":
+                holders.add(rel)
     return {"function_lines": sorted(long_fns, reverse=True), "class_lines": sorted(long_classes, reverse=True),
             "parameters": sorted(wide, reverse=True), "arm_field_files": sorted(arm_files),
-            "manifest_caches": sorted(caches), "actor_mixins": mixins, "bench_methods_on_actors": bench}
+            "manifest_caches": sorted(caches), "manifest_holders": sorted(holders), "actor_mixins": mixins,
+            "bench_methods_on_actors": bench}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -44,6 +44,7 @@ from disagg.rollout.bench_peers import EnginePeers
 from disagg.rollout.engine_receive import EngineSync
 from disagg.rollout.types import Completion, GenRequest, GenResult, SamplingSpec
 from disagg.storage import local_copy
+from disagg.transport.manifest import ManifestCache
 
 log = logging.getLogger("disagg.rollout")
 
@@ -145,7 +146,7 @@ class EngineActor(EngineSync, EnginePeers):
         self._oldest: dict[str, int] = {}
         self._stale: dict[str, tuple[int, int]] = {}
         self._engine = None
-        self._manifest = None  # the last manifest received (a sync of the same layout may name it by digest)
+        self._manifest_cache = ManifestCache()  # the last manifest received (a sync of its layout may name it)
         self._worker_layout: str | None = None  # the layout digest vLLM's worker holds the manifest of
         self._http_at_reset = 0  # stats["http_requests"] when vLLM's prefix cache was last reset
         self._coord = None

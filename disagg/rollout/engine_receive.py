@@ -106,17 +106,18 @@ class EngineSync:
                           m.layout_digest(), str(stats.get("copy_plan", "")), stamps, cancelled)
 
     async def _manifest_for(self, policy_version: int, manifest: dict | None, digest: str | None):
+        """``manifest`` if given, else the one held when its layout digest is ``digest``, else the
+        coordinator's; held for the next sync (``ManifestCache``)."""
         from disagg.transport.manifest import Manifest
 
         if manifest is not None:
-            self._manifest = Manifest.from_dict(manifest)
-        elif self._manifest is not None and digest == self._manifest.layout_digest():
-            self._manifest = self._manifest.with_version(policy_version)
-        elif self._coord is None:
+            return self._manifest_cache.hold(Manifest.from_dict(manifest))
+        held = self._manifest_cache.by_digest(digest, policy_version)
+        if held is not None:
+            return held
+        if self._coord is None:
             raise RolloutError("receive_weights without a manifest needs a coordinator")
-        else:
-            self._manifest = await self._control_call(self._coord.get_manifest, policy_version)
-        return self._manifest
+        return self._manifest_cache.hold(await self._control_call(self._coord.get_manifest, policy_version))
 
     async def _load(self, policy_version: int, manifest: dict | None, digest: str | None, phases: dict[str, float],
                     stamps: dict[str, float], arm: Arm | None = None):

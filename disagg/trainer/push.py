@@ -51,16 +51,18 @@ class TrainerPush:
 
     def manifest(self, policy_version: int) -> dict:
         """The full-tensor manifest of this model at ``policy_version`` (layout only; no collective)."""
-        return self._layout().with_version(policy_version).to_dict()
+        return self._layout(policy_version).to_dict()
 
-    def _layout(self):
-        """The full-tensor manifest, planned at the first call (version 0; its layout never changes)."""
+    def _layout(self, policy_version: int = 0):
+        """The full-tensor manifest at ``policy_version``, planned at the first call (its layout changes
+        only when ``replan_buckets`` re-plans it)."""
         from disagg.transport.model_transfer import model_manifest
 
-        if self._manifest is None:
+        if self._manifest_cache.held is None:
             cfg = self.transport_cfg
-            self._manifest = model_manifest(self.model, cfg.bucket_bytes, 0, cfg.dtype, cfg.first_bucket_bytes)
-        return self._manifest
+            full = model_manifest(self.model, cfg.bucket_bytes, 0, cfg.dtype, cfg.first_bucket_bytes)
+            self._manifest_cache.hold(full)
+        return self._manifest_cache.at(policy_version)
 
     def _take_snapshot(self, policy_version: int):
         """The parameters copied as ``policy_version``, laid out as this rank's push sends them."""
@@ -71,11 +73,11 @@ class TrainerPush:
         out as its buckets, so that the push sends views of it."""
         from disagg.transport.model_transfer import source_manifests
 
-        if self._push_manifest is None:
+        if self._push_manifest_cache.held is None:
             full = self._layout()
-            self._push_manifest = (source_manifests(full, self.world_size)[self.rank]
-                                   if self.transport_cfg.source == "shards" else full)
-        return self._push_manifest
+            self._push_manifest_cache.hold(source_manifests(full, self.world_size)[self.rank]
+                                           if self.transport_cfg.source == "shards" else full)
+        return self._push_manifest_cache.held
 
     def announce(self, coordinator, policy_version: int, trainer_step: int, timeout_s: float) -> str:
         """Tell the coordinator (gRPC) that ``policy_version`` exists, with its manifest; returns its digest.
@@ -103,7 +105,8 @@ class TrainerPush:
         import dataclasses
 
         self.transport_cfg = dataclasses.replace(self.transport_cfg, first_bucket_bytes=first_bucket_bytes)
-        self._manifest = self._push_manifest = None
+        self._manifest_cache.forget()
+        self._push_manifest_cache.forget()
         if self.delta_image is not None:
             self.delta_image.invalidate()
         return len(self._layout().buckets)
@@ -151,7 +154,7 @@ class TrainerPush:
         from disagg.transport.sender import EarlyPack
         from disagg.transport.model_transfer import ARM_SEND, arm_key, send_model
 
-        m = self._layout().with_version(policy_version)
+        m = self._layout(policy_version)
         if not from_snapshot and self._params is None:  # parameters are updated in place from here on
             self._params = dict(self.model.named_parameters())
         out: dict[str, Any] = {"rank": self.rank}

@@ -34,6 +34,7 @@ from disagg.trainer.bench_peers import TrainerPeers
 from disagg.trainer.grpo import linear_warmup, mismatch_stats, ppo_clip_loss, token_logprobs
 from disagg.trainer.push import TrainerPush
 from disagg.trainer.snapshot import Snapshots
+from disagg.transport.manifest import ManifestCache
 
 log = logging.getLogger("disagg.trainer")
 _RNG_FILE = re.compile(r"rng_rank\d+\.pt")
@@ -66,8 +67,8 @@ class TrainerWorker(TrainerPush, TrainerPeers):
         self.sender = None
         self.delta_image = None  # transport.delta on or auto: what every engine of the group holds (DeltaImage)
         self.delta_chooser = None  # transport.delta=auto: delta or dense, sync by sync (DeltaChooser)
-        self._manifest = None
-        self._push_manifest = None  # this rank's part of it (_push_layout)
+        self._manifest_cache = ManifestCache()  # the full-tensor manifest this rank's pushes are planned from (_layout)
+        self._push_manifest_cache = ManifestCache()  # this rank's part of it (_push_layout)
         self._params: dict[str, torch.Tensor] | None = None  # named parameters, for the weight sync
         self._flats: list[torch.Tensor] | None = None  # the flat parameter buffers (one rank, fp32 wire)
         self._snapshots = Snapshots()  # transport.overlap_push: what the pushes send

@@ -5,6 +5,7 @@ the tensors in send order, their shapes and dtypes, and the bucket plan that
 says which element range of which tensor sits where in which flat bucket.
 Planning is a pure function of the tensor specs and the bucket size, so both
 sides can check they agree (``layout_digest``) before any byte moves.
+``ManifestCache`` is how any process holds a manifest from one sync to the next.
 
 This module must stay free of torch and grpc: it is imported by the control
 plane, the planner tests and the CLI.
@@ -149,6 +150,55 @@ class Manifest:
                 for i, dt, n, ents in d["buckets"]
             ),
         )
+
+
+class ManifestCache:
+    """A manifest held from one sync to the next, by its layout digest: the one rule of every
+    process that keeps one (the driver's ``WeightSync``, the trainer's push, each engine actor,
+    each engine's vLLM worker).
+
+    A layout never changes under its digest, so the manifest held answers for any policy version
+    (re-versioned by ``with_version``, its digest carried over, not hashed again): ``at`` for the
+    holder whose own layout it is (the driver and the trainer), ``by_digest`` for a receiver told
+    only a digest, which answers only when that digest is the held one's. Otherwise nothing is
+    answered here (None): the holder gets the manifest where it is made (the trainer plans it, the
+    driver asks the trainer, an engine asks the coordinator, a worker refuses the update) and
+    ``hold``s it, which replaces what was held. ``forget`` when the layout may change (the buckets
+    re-planned)."""
+
+    def __init__(self) -> None:
+        self._manifest: Manifest | None = None
+
+    @property
+    def held(self) -> Manifest | None:
+        """The manifest held, at the version it was held at (None: none)."""
+        return self._manifest
+
+    @property
+    def digest(self) -> str | None:
+        """The held manifest's layout digest (None: none held)."""
+        return self._manifest.layout_digest() if self._manifest is not None else None
+
+    def hold(self, manifest: Manifest) -> Manifest:
+        """Hold ``manifest`` from now on, in place of any held; returns it."""
+        self._manifest = manifest
+        return manifest
+
+    def holds(self, digest: str | None) -> bool:
+        """Whether the held manifest's layout digest is ``digest`` (never for None)."""
+        return digest is not None and self._manifest is not None and self._manifest.layout_digest() == digest
+
+    def at(self, policy_version: int) -> Manifest | None:
+        """The held manifest at ``policy_version`` (None: none held)."""
+        return self._manifest.with_version(policy_version) if self._manifest is not None else None
+
+    def by_digest(self, digest: str | None, policy_version: int) -> Manifest | None:
+        """The held manifest at ``policy_version`` when its layout digest is ``digest``; else None."""
+        return self._manifest.with_version(policy_version) if self.holds(digest) else None
+
+    def forget(self) -> None:
+        """Hold nothing: the next sync gets its manifest where it is made."""
+        self._manifest = None
 
 
 def plan_buckets(specs: list[TensorSpec], bucket_bytes: int, policy_version: int = 0,

@@ -45,7 +45,7 @@ from disagg.transport.buckets import PartLoader, bucket_checksum
 from disagg.transport.copyplan import BucketReplay, CopyPlan, Recorded, learn
 from disagg.transport.delta import DeltaImage
 from disagg.transport.group import TransportGroup, create_group, timed_raw_broadcasts
-from disagg.transport.manifest import BucketPlan, Manifest
+from disagg.transport.manifest import BucketPlan, Manifest, ManifestCache
 from disagg.transport.model_transfer import Arm, receive_model
 
 # A rollout worker's lines, whichever engine hosts the receiver.
@@ -133,7 +133,7 @@ class ModelReceiver:
         self.load_mode = "layerwise"
         self._reloading = False
         self._times: dict[str, float] = {}
-        self._manifest: Manifest | None = None  # the last layout received (the update info may omit it)
+        self._manifest_cache = ManifestCache()  # the last layout received (the update info may omit it)
         # direct loads: (layout digest, where the parameters live) -> the copy plan its first sync
         # learned (None: the loader cannot be replayed); the copies learned so far in the sync that
         # is learning one. A reload that moves parameters makes another key: the plan is learned again.
@@ -248,15 +248,15 @@ class ModelReceiver:
         self.groups = []
 
     def _manifest_for(self, info: DisaggUpdateInfo) -> Manifest:
+        """The update's manifest if it carries one, else the one held when its layout digest is the
+        update's (``ManifestCache``); an update naming another layout is refused."""
         if info.manifest is not None:
-            self._manifest = Manifest.from_dict(info.manifest)
-        elif self._manifest is None or self._manifest.layout_digest() != info.digest:
-            held = self._manifest.layout_digest() if self._manifest is not None else None
+            return self._manifest_cache.hold(Manifest.from_dict(info.manifest))
+        held = self._manifest_cache.by_digest(info.digest, info.policy_version)
+        if held is None:
             raise RuntimeError(f"disagg weight transfer: update without a manifest for layout {info.digest!r}, "
-                               f"this worker holds {held!r}")
-        else:
-            self._manifest = self._manifest.with_version(info.policy_version)
-        return self._manifest
+                               f"this worker holds {self._manifest_cache.digest!r}")
+        return held
 
     def _plan_for(self, manifest: Manifest) -> PartLoader | None:
         """Direct loads: learn this layout's copy plan, or replay it; where it is replayed a part or a

@@ -7,7 +7,7 @@ import torch
 
 from disagg.errors import TransportError
 from disagg.transport.buckets import Reassembler, pack_bucket, torch_dtype
-from disagg.transport.manifest import DTYPE_BYTES, RAMP_GROWTH, Manifest, TensorSpec, plan_buckets
+from disagg.transport.manifest import DTYPE_BYTES, RAMP_GROWTH, Manifest, ManifestCache, TensorSpec, plan_buckets
 from disagg.transport.sender import build_manifest
 
 # (specs, bucket_bytes): mixed dtypes, odd sizes, splits, exact fits, zero-element.
@@ -253,6 +253,30 @@ def test_manifest_dict_round_trip_and_digest() -> None:
     retyped = plan_buckets([specs[0], TensorSpec("b", (5,), "float16"), specs[2]], 48, policy_version=9)
     assert retyped.layout_digest() != m.layout_digest()
 
+
+def test_a_held_manifest_answers_its_own_digest_at_any_version_and_nothing_else() -> None:
+    specs = [TensorSpec("a", (7, 13), "float32"), TensorSpec("b", (5,), "bfloat16")]
+    m = plan_buckets(specs, 48, policy_version=3)
+    other = plan_buckets([TensorSpec("a", (13, 7), "float32"), specs[1]], 48, policy_version=3)
+    cache = ManifestCache()
+    # nothing held: nothing answered, whatever is asked
+    assert cache.held is None and cache.digest is None and cache.at(4) is None
+    assert not cache.holds(m.layout_digest()) and cache.by_digest(m.layout_digest(), 4) is None
+    assert cache.hold(m) is m and cache.held is m and cache.digest == m.layout_digest()
+    # the held layout, named by its digest, at a new version: the same layout, its digest carried over
+    again = cache.by_digest(m.layout_digest(), 7)
+    assert again.policy_version == 7 and again.layout_digest() == m.layout_digest() and "_digest" in again.__dict__
+    assert (again.tensors, again.buckets, again.bucket_bytes) == (m.tensors, m.buckets, m.bucket_bytes)
+    assert cache.at(8).policy_version == 8 and cache.at(8).layout_digest() == m.layout_digest()
+    assert cache.held is m  # answering re-versions a copy; what is held stays as it was held
+    # another layout's digest, or none named, is not answered from the cache
+    assert not cache.holds(other.layout_digest()) and cache.by_digest(other.layout_digest(), 7) is None
+    assert not cache.holds(None) and cache.by_digest(None, 7) is None and not cache.holds("")
+    # holding another replaces it; forgetting holds nothing
+    cache.hold(other)
+    assert cache.holds(other.layout_digest()) and cache.by_digest(m.layout_digest(), 9) is None
+    cache.forget()
+    assert cache.held is None and cache.at(9) is None and cache.by_digest(other.layout_digest(), 9) is None
 
 @pytest.mark.parametrize("dtype", sorted(DTYPE_BYTES))
 def test_dtype_table_matches_torch(dtype: str) -> None:
