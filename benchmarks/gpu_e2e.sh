@@ -45,6 +45,8 @@ out=${OUT:-bench-out}
 mkdir -p "$out" /tmp/site
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
   VLLM_ATTENTION_BACKEND=FLASH_ATTN VLLM_USE_FLASHINFER_SAMPLER=0 RAY_DEDUP_LOGS=0
+# The logs are filtered line by line (grep --line-buffered): a block-buffered filter left a bench's
+# log empty until its end, and a lease that ended mid-run brought nothing of it (2026-12-08).
 # Bytecode, as pip writes it at install time: the pieces carry sources only (no .pyc), so without
 # this the first process to import vLLM, Ray or a peer compiles them (seconds), and in a `bench peers`
 # run the first framework pays it for the ones after it. Once per folder (marker file).
@@ -105,13 +107,13 @@ case "$stage" in
     [ "${ENGINE:-vllm}" = sglang ] && where=tests/gpu/test_sglang_engine.py
     for a in "${@:2}"; do case "$a" in tests/*) where= ;; esac; done
     timeout "${TEST_LIMIT_S:-540}" python3 -m pytest -q -s -p no:cacheprovider --durations=20 $where "${@:2}" 2>&1 \
-      | grep -v "nanobind\|leaked \|skipped remainder" | tee "$out/${TESTS_NAME:-gpu_tests}.log"
+      | grep --line-buffered -v "nanobind\|leaked \|skipped remainder" | tee "$out/${TESTS_NAME:-gpu_tests}.log"
     exit "${PIPESTATUS[0]}" ;;
   train)
     name=${2:?train needs a NAME}
     shift 2
     timeout "${TRAIN_LIMIT_S:-540}" python3 -m disagg train logging.root_dir=/tmp/runs "hydra.run.dir=/tmp/runs/$name" \
-      "${engine_args[@]}" "$@" 2>&1 | grep -v "nanobind\|leaked \|skipped remainder" | tee "$out/$name.log"
+      "${engine_args[@]}" "$@" 2>&1 | grep --line-buffered -v "nanobind\|leaked \|skipped remainder" | tee "$out/$name.log"
     rc=${PIPESTATUS[0]}
     for f in metrics.jsonl reward.png config.json; do
       [ -f "/tmp/runs/$name/$f" ] && cp "/tmp/runs/$name/$f" "$out/$name.$f"
@@ -121,7 +123,7 @@ case "$stage" in
     name=${2:?bench needs a NAME}
     shift 2
     timeout "${TRAIN_LIMIT_S:-540}" python3 -m disagg bench "$@" --json "$out/$name.json" 2>&1 \
-      | grep -v "nanobind\|leaked \|skipped remainder" | tee "$out/$name.log"
+      | grep --line-buffered -v "nanobind\|leaked \|skipped remainder" | tee "$out/$name.log"
     exit "${PIPESTATUS[0]}" ;;
   metrics)
     # a short run of the default task on the GPU, scraped while it runs (benchmarks/gpu_metrics_check.py)
