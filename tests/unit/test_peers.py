@@ -228,10 +228,13 @@ def test_disaggs_modes_set_its_staleness(tiny_job, tmp_path, mode, staleness):
 
 def test_a_disagg_runs_settings_reach_its_train_command(tiny_job, tmp_path):
     from disagg.bench.peers import disagg_run
+    from disagg.bench.peers.bench import run_folder
 
     job, files = tiny_job
-    # the run's folder as bench peers names it: hydra must take the run dir under it as a value
-    run = disagg_run.plan(job, files, 1, "async3@rollout.compile=false", tmp_path / "01-disagg-async3_rollout.compile_false", "tis")
+    folder = run_folder(1, "disagg", "async3@rollout.compile=false", "tis")
+    assert folder == "01-disagg-async3_rollout.compile_false-tis"
+    # planning composes the train config with hydra.run.dir under that folder: hydra must take it
+    run = disagg_run.plan(job, files, 1, "async3@rollout.compile=false", tmp_path / folder, "tis")
     args = run.cmd[run.cmd.index("train") + 1:]
     assert "algorithm.max_staleness=3" in args and args[-2:] == ["rollout.compile=false", "algorithm.off_policy=tis"]
     assert run.mode == "async3@rollout.compile=false" and run.correction == "tis"

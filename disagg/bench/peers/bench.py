@@ -213,6 +213,12 @@ def run_all(o: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
+def run_folder(i: int, fw: str, mode: str, correction: str | None) -> str:
+    """The folder of the ``i``-th run (pure): a name hydra takes inside a value, since disagg's
+    ``hydra.run.dir`` is under it and a mode's settings carry '@' and '=' (which hydra refuses)."""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", f"{i:02d}-{fw}-{mode}" + (f"-{correction}" if correction else ""))
+
+
 def _run_one(i: int, fw: str, mode: str, correction: str | None, *, o, job, files, plugin, gpus, device, card,
              engine, warmup, out) -> dict[str, Any]:
     """One framework's run of the job, launched, watched, stopped and summarised (``runs.summarise``)."""
@@ -220,8 +226,7 @@ def _run_one(i: int, fw: str, mode: str, correction: str | None, *, o, job, file
     from disagg.bench.peers.lengths import LENGTHS_ENV
     from disagg.bench.peers.runs import launch, read_trace, summarise
 
-    # a folder name hydra takes as a value (run settings carry '@' and '='): hydra.run.dir is under it
-    name = re.sub(r"[^A-Za-z0-9._-]", "_", f"{i:02d}-{fw}-{mode}" + (f"-{correction}" if correction else ""))
+    name = run_folder(i, fw, mode, correction)
     run_out = out / name
     site = {"trl": o.trl_site, "verl": o.verl_site}.get(fw)
     if fw != "disagg" and not _on_path(fw, site):
