@@ -110,7 +110,11 @@ class TrainerWorker(TrainerPush, TrainerPeers):
             backend = "nccl" if self.device.type == "cuda" else "gloo"
             dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=self.rank,
                                     world_size=self.world_size, timeout=timedelta(seconds=self.transport_cfg.timeout_s))
-        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32).to(self.device)
+        t0 = time.perf_counter()
+        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
+        t1 = time.perf_counter()
+        model = model.to(self.device)  # on a GPU the first CUDA call: the worker's context starts here
+        t2 = time.perf_counter()
         if self.algo.kl_coef > 0:
             self.ref_model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32).to(self.device)
             self.ref_model.eval().requires_grad_(False)
@@ -131,8 +135,9 @@ class TrainerWorker(TrainerPush, TrainerPeers):
                                      weight_decay=self.cfg.weight_decay)
         self.sched = linear_warmup(self.opt, self.cfg.warmup_steps)
         n = sum(p.numel() for p in model.parameters())
-        log.info("model loaded from %s (%d parameters%s)", self.model_path, n,
-                 f", FSDP2 over {self.world_size} ranks" if self.world_size > 1 else "")
+        log.info("model loaded from %s (%d parameters%s; read %.1f s, to %s %.1f s, the rest %.1f s)", self.model_path,
+                 n, f", FSDP2 over {self.world_size} ranks" if self.world_size > 1 else "", t1 - t0, self.device,
+                 t2 - t1, time.perf_counter() - t2)
         freeze_heap(f"trainer worker {self.rank}")
         return {"num_parameters": n}
 

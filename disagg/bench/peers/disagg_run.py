@@ -98,12 +98,17 @@ _PHASES = (("ray_up", "starting a local Ray cluster"), ("pools_up", "pools up in
 
 
 def setup_phases(log_path: Path) -> dict[str, float]:
-    """Where disagg's set-up went, from its log: seconds from its first line to each milestone, and the
-    engine's own start (``engine start``) as it reported it."""
+    """Where disagg's set-up went, from its log: seconds from its first line to each milestone, the
+    engine's own start (``engine start``) as it reported it, and the trainer's model load split as its
+    worker timed it (reading the checkpoint, moving it to the device: a GPU's first CUDA call, the rest)."""
     stamps: dict[str, float] = {}
     out: dict[str, float] = {}
     start = None
     for line in log_path.read_text(errors="replace").splitlines():
+        trainer = re.search(r"model loaded from .*read ([\d.]+) s, to \S+ ([\d.]+) s, the rest ([\d.]+) s", line)
+        if trainer and "trainer_read_s" not in out:  # the first rank's (an actor's line), as its worker timed it
+            out.update(trainer_read_s=float(trainer[1]), trainer_to_device_s=float(trainer[2]),
+                       trainer_rest_s=float(trainer[3]))
         m = re.match(r"(\d\d):(\d\d):(\d\d) ", line)
         if not m:
             continue
@@ -115,6 +120,7 @@ def setup_phases(log_path: Path) -> dict[str, float]:
         engine = re.search(r"pools up in [\d.]+s \(engine start ([\d.]+) s\)", line)
         if engine:
             out["engine_start_s"] = float(engine[1])
+
     for key, t in stamps.items():
         out[f"{key}_s"] = (t - start) % 86400
     return out
