@@ -8,7 +8,8 @@
 #                                               # coordinator's and the engines' /metrics (issue 22)
 #   bash benchmarks/gpu_e2e.sh queue FILE       # each line `NAME ARGS` run as `train` (`NAME bench ARGS`:
 #                                               # as `bench`; `NAME tests ARGS`: tests/gpu or the tests
-#                                               # ARGS name, log NAME.log),
+#                                               # ARGS name, log NAME.log; `NAME sglang ...`: that line
+#                                               # with ENGINE=sglang),
 #                                               # one after another,
 #                                               # detached (setsid), so the runs outlast the 10-minute call
 #   bash benchmarks/gpu_e2e.sh poll SECONDS     # wait for the queue (at most SECONDS), copy the files of
@@ -145,9 +146,10 @@ case "$stage" in
     # the runs use a snapshot of this tree: a later call brings the working tree as it is then
     tar --exclude=./.device --exclude=./.git -cf - . | tar -xf - -C "$q/repo"
     (cd "$q/repo" && setsid nohup bash -c "while read -r name args; do [ -n \"\$name\" ] || continue; \
+      engine=\${ENGINE:-vllm}; case \"\$args \" in sglang\ *) engine=sglang; args=\${args#sglang }; esac; \
       stage=train; case \"\$args \" in bench\ *) stage=bench; args=\${args#bench }; esac; \
       if [ \"\${args%% *}\" = tests ]; then set -- tests \${args#tests}; else set -- \$stage \$name \$args; fi; \
-      OUT=$q/out TRAIN_LIMIT_S=\${QUEUE_LIMIT_S:-3000} TEST_LIMIT_S=\${QUEUE_LIMIT_S:-3000} TESTS_NAME=\$name \
+      ENGINE=\$engine OUT=$q/out TRAIN_LIMIT_S=\${QUEUE_LIMIT_S:-3000} TEST_LIMIT_S=\${QUEUE_LIMIT_S:-3000} TESTS_NAME=\$name \
         bash benchmarks/gpu_e2e.sh \"\$@\" >/dev/null 2>&1; \
       echo \"\$name rc=\$?\" >>$q/done.txt; done <$q/runs.txt; echo all >>$q/done.txt" \
       >"$q/queue.log" 2>&1 </dev/null &)
