@@ -88,6 +88,9 @@ class Job:
         self.engine_start_s = [i["start_s"] for i in self.rollout.start_info]
         log.info("pools up in %.1fs (engine start %s s)", time.perf_counter() - t0,
                  ", ".join(f"{s:.1f}" for s in self.engine_start_s))
+        imports = [i["import_s"] for i in self.rollout.start_info if i.get("import_s") is not None]
+        if imports:  # of the engine's start, importing it (vLLM) before it logs anything
+            log.info("engine imports took %s s", ", ".join(f"{s:.1f}" for s in imports))
         self.weights = WeightSync(cfg, self.backend, self.trainer, self.rollout, self.coordinator)
         self.init_transport()
 

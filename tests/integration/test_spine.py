@@ -126,6 +126,8 @@ def test_a_cpu_engine_core_is_forked_from_its_engine_actor(job):
 
     info = job.rollout.start_info
     assert [i["engine_core_start"] for i in info] == ["fork"] * len(info)
+    # the engine's imports, timed apart from its start (the driver logs them: bench peers' set-up phases)
+    assert all(0 < i["import_s"] < i["start_s"] for i in info), [(i["import_s"], i["start_s"]) for i in info]
     for i in info:
         assert psutil.Process(i["pid"]).children(), f"engine {i['engine_id']}: its actor has no child process"
 

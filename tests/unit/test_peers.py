@@ -299,11 +299,12 @@ def test_disaggs_set_up_is_split_at_its_logged_milestones(tmp_path):
         "(TrainerWorker pid=2) 00:00:29 INFO [trainer:0] disagg.trainer: model loaded from /m (671616 parameters; "
         "read 0.4 s, to cuda:0 7.9 s, the rest 0.2 s)",
         "00:00:30 INFO [driver] disagg.job: pools up in 38.5s (engine start 24.0 s)",
+        "00:00:30 INFO [driver] disagg.job: engine imports took 11.5 s",
         "00:00:31 INFO [driver] disagg.train: initial weights (version 1) synced: 10 bytes in 0.1s",
         "00:00:33 INFO [driver] disagg.train: step 1/200 {'reward': '0.5'}",
         "00:00:34 INFO [driver] disagg.train: step 2/200 {'reward': '0.5'}"]))
     assert disagg_run.setup_phases(log) == {"ray_up_s": 1, "pools_up_s": 40, "first_weights_s": 41,
-                                            "first_step_s": 43, "engine_start_s": 24.0, "trainer_read_s": 0.4,
+                                            "first_step_s": 43, "engine_start_s": 24.0, "engine_imports_s": 11.5, "trainer_read_s": 0.4,
                                             "trainer_to_device_s": 7.9, "trainer_rest_s": 0.2}
 
 

@@ -120,6 +120,9 @@ def setup_phases(log_path: Path) -> dict[str, float]:
         engine = re.search(r"pools up in [\d.]+s \(engine start ([\d.]+) s\)", line)
         if engine:
             out["engine_start_s"] = float(engine[1])
+        imports = re.search(r"engine imports took ([\d.]+) s", line)
+        if imports:  # the first engine's
+            out["engine_imports_s"] = float(imports[1])
 
     for key, t in stamps.items():
         out[f"{key}_s"] = (t - start) % 86400

@@ -561,6 +561,13 @@ def end_layerwise_reload(model, model_config) -> None:
             module.quant_method.process_weights_after_loading(module)
 
 
+def import_engine() -> None:
+    """Import what ``start_engine`` uses (vLLM's engine and its arguments: torch, transformers,
+    Inductor and the platform's kernels come with them)."""
+    from vllm import AsyncEngineArgs  # noqa: F401
+    from vllm.v1.engine.async_llm import AsyncLLM  # noqa: F401
+
+
 def start_engine(args: dict[str, Any]):
     """vLLM's ``AsyncLLM`` from ``AsyncEngineArgs(**args)`` (its engine core forked where that is
     safe: ``fork_engine_core``)."""

@@ -4,6 +4,8 @@ release takes it."""
 
 from __future__ import annotations
 
+import time
+
 from typing import Any
 
 from disagg.config import RolloutConfig
@@ -19,11 +21,15 @@ class VllmBackend:
     def __init__(self, engine, model_path: str) -> None:
         self.engine, self.model_path = engine, model_path
         self.name = f"vLLM {api.vllm_version()}"
+        self.import_s: float | None = None  # seconds to import vLLM's engine (start)
 
     @classmethod
     def start(cls, cfg: RolloutConfig, model_path: str, seed: int) -> "VllmBackend":
         """vLLM on ``cfg.load_format`` weights (dummy: every weight comes by a sync)."""
-        return cls(api.start_engine(dict(
+        t = time.perf_counter()
+        api.import_engine()  # timed apart: on a fresh machine most of an engine's start before vLLM's first line
+        import_s = time.perf_counter() - t
+        backend = cls(api.start_engine(dict(
             model=model_path,
             load_format=cfg.load_format,
             dtype=cfg.dtype,
@@ -42,11 +48,13 @@ class VllmBackend:
             # calls do_log_stats, so they are never printed.
             disable_log_stats=not cfg.openai_api,
         )), model_path)
+        backend.import_s = import_s
+        return backend
 
     def start_report(self) -> dict[str, Any]:
         return {"vllm_version": api.vllm_version(), "kv_block_size": api.kv_block_size(self.engine),
                 "engine_core_start": api.engine_core_start(self.engine),
-                "cudagraph_max_size": api.cudagraph_max_size(self.engine)}
+                "cudagraph_max_size": api.cudagraph_max_size(self.engine), "import_s": self.import_s}
 
     async def token_version_sources(self) -> list[str]:
         # vLLM's labels (0.32), the engine core's counts at each pause (disagg's plugin)
