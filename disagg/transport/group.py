@@ -437,75 +437,34 @@ def create_group(*, host: str, port: int, rank: int, world_size: int, backend: s
     ``signals`` (``transport.signals``): how ``signal`` / ``await_signal`` words travel, through the
     store or (``socket``) to a doorbell each member listens on (``signals.py``).
     """
-    if backend not in ("gloo", "nccl"):
-        raise ValueError(f"transport backend must be 'gloo' or 'nccl', got {backend!r}")
-    if signals not in SIGNALS:
-        raise ValueError(f"transport.signals must be one of {SIGNALS}, got {signals!r}")
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} outside world of {world_size}")
-    if timeout_s <= 0:
-        raise ValueError(f"transport timeout_s must be > 0, got {timeout_s}")
+    _check_group_args(backend, signals, rank, world_size, timeout_s)
     where = f"group {group_name!r} rank {rank}/{world_size} (store {host}:{port})"
     deadline = time.monotonic() + timeout_s
     if rank != 0:
         _await_store(host, port, deadline, timeout_s, where)
-    store = None
-    bind_until = min(deadline, time.monotonic() + _BIND_RETRY_S)
-    while store is None:
-        try:
-            store = TCPStore(host, port, world_size, is_master=(rank == 0), wait_for_workers=False,
-                             timeout=timedelta(seconds=timeout_s))
-        except RuntimeError as e:
-            if rank == 0 and "EADDRINUSE" in str(e) and time.monotonic() < bind_until:
-                time.sleep(0.2)  # a peer's probe may hold the port for a moment (pick_free_port)
-                continue
-            if rank == 0:
-                raise TransportError(f"{where}: could not host the store: {_brief(e)}") from e
-            raise TransportError(f"{where}: could not reach the store hosted by rank 0 within {timeout_s:.1f} s "
-                                 f"(missing ranks: [0]): {_brief(e)}") from e
+    store = _open_store(host, port, rank, world_size, timeout_s, deadline, where)
     prefix = PrefixStore(group_name, store)
     try:  # the interface that reaches rank 0: this rank's doorbell and gloo device
         local = _local_address(host, port)
     except OSError as e:
         raise TransportError(f"{where}: no route from this host to rank 0's {host}: {_brief(e)}") from e
-    doorbell = None
-    if signals == "socket":  # published before this rank's join key: every address is there once all joined
-        try:
-            doorbell = Doorbell(local)
-            prefix.set(f"bell/{rank}", f"{doorbell.address[0]}:{doorbell.address[1]}")
-        except (OSError, RuntimeError) as e:
-            if doorbell is not None:
-                doorbell.close()
-            raise TransportError(f"{where}: could not open this rank's doorbell: {_brief(e)}") from e
+    # published before this rank's join key: every address is there once all joined
+    doorbell = _open_doorbell(prefix, local, rank, where) if signals == "socket" else None
     try:
         _join(prefix, rank, world_size, deadline, timeout_s, where)
+        if backend == "gloo":
+            device, make = torch.device("cpu"), lambda: _gloo_group(prefix, rank, world_size, local, timeout_s)
+        else:
+            device = device or torch.device("cuda", torch.cuda.current_device())
+            make = lambda: _nccl_group(prefix, rank, world_size, timeout_s, high_priority, where)  # noqa: E731
+        try:
+            pg = make()
+        except RuntimeError as e:
+            raise TransportError(f"{where}: could not connect the {backend} group: {_brief(e)}") from e
     except TransportError:
         if doorbell is not None:
             doorbell.close()
         raise
-
-    if backend == "gloo":
-        device = torch.device("cpu")
-        opts = ProcessGroupGloo._Options()
-        opts._devices = [ProcessGroupGloo.create_device(hostname=local)]
-        opts._timeout = timedelta(seconds=timeout_s)
-        make = lambda: ProcessGroupGloo(prefix, rank, world_size, opts)  # noqa: E731
-    else:
-        try:
-            from torch.distributed import ProcessGroupNCCL
-        except ImportError as e:
-            raise TransportError(f"{where}: backend 'nccl' needs a CUDA build of torch") from e
-        device = device or torch.device("cuda", torch.cuda.current_device())
-        nccl_opts = ProcessGroupNCCL.Options()
-        nccl_opts._timeout = timedelta(seconds=timeout_s + max(timeout_s, _NCCL_WATCHDOG_MARGIN_S))
-        nccl_opts.is_high_priority_stream = bool(high_priority)
-        make = lambda: ProcessGroupNCCL(prefix, rank, world_size, nccl_opts)  # noqa: E731
-    try:
-        pg = make()
-    except RuntimeError as e:
-        if doorbell is not None:
-            doorbell.close()
-        raise TransportError(f"{where}: could not connect the {backend} group: {_brief(e)}") from e
     group = TransportGroup(pg=pg, store=store, name=group_name, rank=rank, world_size=world_size,
                            backend=backend, device=device, timeout_s=timeout_s, store_addr=(host, port),
                            doorbell=doorbell)
@@ -519,6 +478,71 @@ def create_group(*, host: str, port: int, rank: int, world_size: int, backend: s
     group.barrier()
     log.info("[transport:%s:%d] joined %s group of %d", group_name, rank, backend, world_size)
     return group
+
+
+def _check_group_args(backend: str, signals: str, rank: int, world_size: int, timeout_s: float) -> None:
+    """``create_group``'s arguments, each refused by name."""
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"transport backend must be 'gloo' or 'nccl', got {backend!r}")
+    if signals not in SIGNALS:
+        raise ValueError(f"transport.signals must be one of {SIGNALS}, got {signals!r}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} outside world of {world_size}")
+    if timeout_s <= 0:
+        raise ValueError(f"transport timeout_s must be > 0, got {timeout_s}")
+
+
+def _open_store(host: str, port: int, rank: int, world_size: int, timeout_s: float, deadline: float,
+                where: str) -> TCPStore:
+    """The group's store: hosted on ``host:port`` by rank 0 (retrying a port a peer's probe holds for
+    a moment: ``pick_free_port``), reached there by the others."""
+    bind_until = min(deadline, time.monotonic() + _BIND_RETRY_S)
+    while True:
+        try:
+            return TCPStore(host, port, world_size, is_master=(rank == 0), wait_for_workers=False,
+                            timeout=timedelta(seconds=timeout_s))
+        except RuntimeError as e:
+            if rank == 0 and "EADDRINUSE" in str(e) and time.monotonic() < bind_until:
+                time.sleep(0.2)
+                continue
+            if rank == 0:
+                raise TransportError(f"{where}: could not host the store: {_brief(e)}") from e
+            raise TransportError(f"{where}: could not reach the store hosted by rank 0 within {timeout_s:.1f} s "
+                                 f"(missing ranks: [0]): {_brief(e)}") from e
+
+
+def _open_doorbell(prefix: PrefixStore, local: str, rank: int, where: str) -> Doorbell:
+    """This rank's doorbell (``transport.signals=socket``), its address published in the store."""
+    doorbell = None
+    try:
+        doorbell = Doorbell(local)
+        prefix.set(f"bell/{rank}", f"{doorbell.address[0]}:{doorbell.address[1]}")
+        return doorbell
+    except (OSError, RuntimeError) as e:
+        if doorbell is not None:
+            doorbell.close()
+        raise TransportError(f"{where}: could not open this rank's doorbell: {_brief(e)}") from e
+
+
+def _gloo_group(prefix: PrefixStore, rank: int, world_size: int, local: str, timeout_s: float):
+    """A gloo process group over ``local``'s interface (the one that reaches rank 0)."""
+    opts = ProcessGroupGloo._Options()
+    opts._devices = [ProcessGroupGloo.create_device(hostname=local)]
+    opts._timeout = timedelta(seconds=timeout_s)
+    return ProcessGroupGloo(prefix, rank, world_size, opts)
+
+
+def _nccl_group(prefix: PrefixStore, rank: int, world_size: int, timeout_s: float, high_priority: bool, where: str):
+    """A NCCL process group, its watchdog later than disagg's own timeouts (a hang becomes disagg's
+    error, not a watchdog kill); ``high_priority``: its stream at the highest CUDA priority."""
+    try:
+        from torch.distributed import ProcessGroupNCCL
+    except ImportError as e:
+        raise TransportError(f"{where}: backend 'nccl' needs a CUDA build of torch") from e
+    opts = ProcessGroupNCCL.Options()
+    opts._timeout = timedelta(seconds=timeout_s + max(timeout_s, _NCCL_WATCHDOG_MARGIN_S))
+    opts.is_high_priority_stream = bool(high_priority)
+    return ProcessGroupNCCL(prefix, rank, world_size, opts)
 
 
 def _await_store(host: str, port: int, deadline: float, timeout_s: float, where: str) -> None:

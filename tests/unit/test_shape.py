@@ -13,7 +13,8 @@ ROOT = Path(__file__).resolve().parents[2]
 # receive loop for dense and delta syncs); arm_field_files 9 -> 3 (issue 60 item 2: an armed sync travels
 # as one Arm, its loose fields left only inside the transport's send and receive loops); manifest_caches
 # 4 -> 1 (issue 60: every holder of a manifest between syncs holds a transport.manifest.ManifestCache)
-CEILING = {"function_lines": 3, "class_lines": 3, "parameters": 14, "arm_field_files": 3, "manifest_caches": 1,
+# function_lines 3 -> 2 (create_group split into its steps).
+CEILING = {"function_lines": 2, "class_lines": 3, "parameters": 14, "arm_field_files": 3, "manifest_caches": 1,
            "actor_mixins": 4, "bench_methods_on_actors": 11}
 
 
