@@ -51,6 +51,7 @@ def run_generate(cfg: Config, run_dir: Path) -> dict[str, float]:
     pool = RolloutPool(cfg, pools.rollout_pg, device, str(model_path), coordinator=None,
                        api_key=api_key(cfg.rollout.api_key, None))
     try:
+        pool.wait_started()
         greedy = cfg.rollout.temperature == 0  # one sample per prompt: greedy ones would all be equal
         spec = SamplingSpec(max_tokens=cfg.rollout.max_tokens, temperature=cfg.rollout.temperature,
                             top_p=cfg.rollout.top_p, n=1 if greedy else cfg.algorithm.group_size, greedy=greedy)

@@ -25,8 +25,11 @@ log = logging.getLogger("disagg.job")
 
 
 class Job:
-    def __init__(self, cfg: Config, run_dir: Path, model_path: Path | str):
+    def __init__(self, cfg: Config, run_dir: Path, model_path: Path | str, engine_cls: type | None = None,
+                 trainer_cls: type | None = None):
         self.cfg = cfg
+        # The actors' classes, the production ones if None: a benchmark's carry its routes (disagg.bench.actors).
+        self.engine_cls, self.trainer_cls = engine_cls, trainer_cls
         self.run_dir = run_dir
         # The model the actors load: a local directory, or the checkpoint a resumed run starts from
         # (a path or an fsspec URL, which each actor copies to its node: disagg.storage.local_copy).
@@ -41,8 +44,9 @@ class Job:
         self.weights: WeightSync | None = None  # every sync's owner, once the pools are up
 
     @classmethod
-    def start(cls, cfg: Config, run_dir: Path, model_path: Path | str) -> "Job":
-        job = cls(cfg, run_dir, model_path)
+    def start(cls, cfg: Config, run_dir: Path, model_path: Path | str, engine_cls: type | None = None,
+              trainer_cls: type | None = None) -> "Job":
+        job = cls(cfg, run_dir, model_path, engine_cls, trainer_cls)
         try:
             job._start()
         except BaseException:
@@ -79,9 +83,10 @@ class Job:
         # model loads once the engines are up.
         shared_gpu = device == "cuda" and shares_gpus(cfg)
         self.rollout = RolloutPool(cfg, self.pools.rollout_pg, device, str(self.model_path), self.control_client(),
-                                   label_selector=self.pools.rollout_label_selector, wait=False,
-                                   api_key=self.api_key)
-        self.trainer = TrainerGroup(cfg, self.pools.trainer_pg, device, str(self.model_path), setup=not shared_gpu)
+                                   label_selector=self.pools.rollout_label_selector,
+                                   api_key=self.api_key, actor_cls=self.engine_cls)
+        self.trainer = TrainerGroup(cfg, self.pools.trainer_pg, device, str(self.model_path), setup=not shared_gpu,
+                                    worker_cls=self.trainer_cls)
         self.rollout.wait_started()
         if shared_gpu:
             self.trainer.setup()

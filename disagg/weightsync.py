@@ -164,17 +164,10 @@ class WeightSync:
         """Announce ``policy_version`` and broadcast it to every engine; returns when all acked."""
         return self.finish(self.start(policy_version, trainer_step))
 
-    def replan_buckets(self, first_bucket_bytes: int) -> int:
-        """Benchmarks: the trainer's next pushes go out in buckets that ramp from ``first_bucket_bytes``
-        (``TrainerPush.replan_buckets``; 0: none): a new layout, whose manifest the next announce
-        carries. Not with a sync armed. The new layout's bucket count (trainer rank 0's)."""
-        if self.armed is not None:
-            raise TransportError(f"replan_buckets: a receive of version {self.armed.policy_version} is armed")
-        counts = ray_get_logged([self.trainer.transport_method(w, "replan_buckets").remote(first_bucket_bytes)
-                                 for w in range(len(self.trainer.workers))], what="re-planning the buckets",
-                                timeout_s=self.cfg.transport.timeout_s, log=log)
+    def forget_manifest(self) -> None:
+        """The trainer's bucket layout changed (a benchmark re-planned it: ``disagg.bench.actors``): its
+        manifest is asked of it again at the next sync."""
         self._manifest_cache.forget()
-        return counts[0]
 
     def arm(self, policy_version: int, timeout_s: float) -> None:
         """Put every engine's receive of ``policy_version`` on the transport group now, before the trainer
@@ -205,7 +198,7 @@ class WeightSync:
 
     def _manifest_at(self, policy_version: int) -> Manifest:
         """The trainer's manifest at ``policy_version``, asked of it once (its layout changes only when
-        ``replan_buckets`` re-plans it)."""
+        a benchmark re-plans it: ``forget_manifest``)."""
         manifest = self._manifest_cache.at(policy_version)
         return manifest if manifest is not None else self._manifest_cache.hold(self.trainer.manifest(policy_version))
 

@@ -7,9 +7,11 @@ mixins on the actors, benchmark-only methods on production actors.
 
 A manifest cache is a file that holds a manifest between syncs (an attribute ``_manifest`` set to
 None, then filled; annotated or not); ``ManifestCache`` is the one meant to, and a file that makes
-one is a manifest holder (``measure`` lists them; no limit). A benchmark-only method is one of an
-actor or of a base class of it whose name says so (``bench``, ``peer``, ``trace_next``, ``replan``,
-``next_push_as``, ``timed_``).
+one is a manifest holder (``measure`` lists them; no limit). A production actor is ``EngineActor``,
+``TrainerWorker``, or a class that subclasses one outside ``disagg/bench/`` (the benchmarks' own actors,
+``disagg/bench/actors.py``, are not production's); its mixins are its other base classes. A
+benchmark-only method is one of a production actor or of a base class of it whose name says so
+(``bench``, ``peer``, ``trace_next``, ``replan``, ``next_push_as``, ``timed_``).
 Counts are of ``disagg/`` as it is on disk; a function's or class's length is its lines from the
 ``def``/``class`` line (decorators excluded) to its last line, docstring included.
 """
@@ -26,6 +28,7 @@ LIMITS = {"function_lines": 80, "class_lines": 400, "parameters": 8, "arm_field_
           "actor_mixins": 0, "bench_methods_on_actors": 0}
 ARM_FIELDS = ("arm_id", "arm_timeout_s", "arm_header", "go_timeout_s", "header_first")
 ACTORS = {"EngineActor", "TrainerWorker"}
+BENCH_DIR = "disagg/bench/"  # the benchmarks' subclasses of the actors live here: not production actors
 BENCH_WORDS = ("bench", "peer", "trace_next", "replan", "next_push_as", "timed_")
 
 
@@ -53,6 +56,15 @@ def _bench_methods(cls: ast.ClassDef, classes: dict[str, ast.ClassDef]) -> list[
     return out
 
 
+def _is_actor(cls: ast.ClassDef, rel: str) -> bool:
+    """A production actor: one of ``ACTORS``, or a subclass of one in a file outside ``BENCH_DIR``."""
+    return cls.name in ACTORS or (not rel.startswith(BENCH_DIR) and any(_is_actor_base(b) for b in cls.bases))
+
+
+def _is_actor_base(base: ast.expr) -> bool:
+    return isinstance(base, ast.Name) and base.id in ACTORS
+
+
 def measure() -> dict:
     long_fns, long_classes, wide, arm_files, caches, holders, mixins, bench = [], [], [], set(), set(), set(), [], []
     classes = _classes()
@@ -73,8 +85,8 @@ def measure() -> dict:
                 n = node.end_lineno - node.lineno + 1
                 if n > LIMITS["class_lines"]:
                     long_classes.append((n, f"{rel}:{node.lineno} {node.name}"))
-                if node.name in ACTORS:
-                    mixins += [f"{node.name}({ast.unparse(b)})" for b in node.bases]
+                if _is_actor(node, rel):
+                    mixins += [f"{node.name}({ast.unparse(b)})" for b in node.bases if not _is_actor_base(b)]
                     bench += _bench_methods(node, classes)
             elif isinstance(node, (ast.Assign, ast.AnnAssign)):  # self._manifest = None: held between syncs
                 for t in node.targets if isinstance(node, ast.Assign) else [node.target]:

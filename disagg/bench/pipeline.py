@@ -167,12 +167,13 @@ def _replace(cfg, section: str, **kw):
 def _start(cfg, run_dir: Path):
     from transformers import AutoTokenizer
 
+    from disagg.bench.actors import BenchEngineActor
     from disagg.job import Job
     from disagg.model.warmstart import prepare_model
 
     model_path = prepare_model(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
-    job = Job.start(cfg, run_dir, model_path)
+    job = Job.start(cfg, run_dir, model_path, engine_cls=BenchEngineActor)  # its in-flight mode set run by run
     job.sync_weights(1, trainer_step=0)
     return job, AutoTokenizer.from_pretrained(model_path)
 

@@ -36,7 +36,7 @@ host's clock; the engine core steps again from there), without the answers' way 
 
 With ``--first-buckets 0,32M`` the blocks run once per value of ``transport.first_bucket_bytes`` (the
 buckets' ramp; 0: every bucket full), the trainer re-planning its buckets between passes
-(``WeightSync.replan_buckets``): each layout's syncs side by side in one run, labelled with it. With
+(``disagg.bench.actors.replan_buckets``): each layout's syncs side by side in one run, labelled with it. With
 ``--signals store,socket`` they run once per ``transport.signals`` (how the words that start an armed
 sync travel), the transport rebuilt between passes (``WeightSync.set_signals``); the armed blocks' words are
 compared side by side: when the trainer's push and each engine's worker had theirs, and the sync.
@@ -195,6 +195,7 @@ def _config(o: VllmSyncOptions):
 def run(o: VllmSyncOptions) -> dict[str, Any]:
     import ray
 
+    from disagg.bench.actors import BenchEngineActor, BenchTrainerWorker, replan_buckets
     from disagg.job import Job
     from disagg.model.warmstart import prepare_model
 
@@ -206,7 +207,7 @@ def run(o: VllmSyncOptions) -> dict[str, Any]:
     model_path = prepare_model(cfg)
     if o.nccl_socket:  # before Ray starts: its workers, the job's trainer and engines, inherit it
         os.environ.update(NCCL_P2P_DISABLE="1", NCCL_SHM_DISABLE="1")
-    job = Job.start(cfg, run_dir, model_path)
+    job = Job.start(cfg, run_dir, model_path, engine_cls=BenchEngineActor, trainer_cls=BenchTrainerWorker)
     try:
         engines = job.rollout.engines
         version = 1
@@ -248,7 +249,7 @@ def run(o: VllmSyncOptions) -> dict[str, Any]:
             label = label_of(mode, armed, from_snapshot, first, way)
             job.weights.set_signals(way)  # (a pass's first block rebuilds the transport for it; later ones keep it)
             if named and block == blocks[0]:  # a layout's first block: the trainer re-plans its buckets
-                report.setdefault("layouts", {})[_ramp_label(first)] = job.weights.replan_buckets(first)  # its bucket count
+                report.setdefault("layouts", {})[_ramp_label(first)] = replan_buckets(job, first)  # its bucket count
             resolved[mode] = ray.get([e.set_load_mode.remote(mode) for e in engines], timeout=60)[0]
             for i in range(o.warmup + o.repeats):
                 if o.delta:  # the weights did not change: these blocks time dense syncs

@@ -23,8 +23,8 @@ says how much KV a piece took over.
 
 The engine is reached only through its ``EngineBackend``, whose class ``disagg.rollout.engines``
 names (vLLM's in ``disagg.rollout.vllm``, SGLang's in ``disagg.rollout.sglang``); this module and
-its parts ``engine_receive`` (the weight receive) and ``bench_peers`` (the benchmarks' routes)
-import no engine.
+its part ``engine_receive`` (the weight receive) import no engine. The benchmarks' routes are a
+subclass's, ``disagg.bench.actors.BenchEngineActor``; a training run's engine has none.
 """
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ from disagg.cluster import freeze_heap, pin_process
 from disagg.config import RolloutConfig, TransportConfig
 from disagg.errors import ConfigError, EngineDeadError, RolloutError
 from disagg.logs import await_logged, setup_logging
-from disagg.rollout.bench_peers import EnginePeers
 from disagg.rollout.engine_receive import EngineSync
 from disagg.rollout.types import Completion, GenRequest, GenResult, SamplingSpec
 from disagg.storage import local_copy
@@ -99,9 +98,9 @@ def resolve_in_flight_mode(requested: str, labels: bool, counts: bool) -> str:
     return requested
 
 
-class EngineActor(EngineSync, EnginePeers):
+class EngineActor(EngineSync):
     """A vLLM engine behind a weights-loaded gate. Wrapped with ``ray.remote`` by the pool. Its weight
-    receive is ``EngineSync``'s (``rollout/engine_receive.py``); the benchmarks' routes ``EnginePeers``'.
+    receive is ``EngineSync``'s (``rollout/engine_receive.py``).
     Over 400 lines on purpose: a request's life in vLLM (submitted, kept or resubmitted across syncs,
     cut into versions) is one concern, and its methods share the request state kept here."""
 

@@ -268,3 +268,8 @@ class EngineSync:
         if self._paused:
             await self._engine.resume()
             self._paused = False
+
+    async def param_checksums(self) -> dict[str, list[int]]:
+        """Worker 0's bit checksum of each parameter the engine holds (``disagg_param_checksums``): the
+        check that a sync left every parameter equal to the trainer's, bit for bit (the GPU tests)."""
+        return (await self._engine.worker_call("disagg_param_checksums"))[0]

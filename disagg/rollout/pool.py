@@ -33,12 +33,16 @@ class RolloutPool:
     """
 
     def __init__(self, cfg: Config, pg, device: str, model_path: str, coordinator=None,
-                 label_selector: dict[str, str] | None = None, wait: bool = True, api_key: str | None = None):
+                 label_selector: dict[str, str] | None = None, api_key: str | None = None,
+                 actor_cls: type | None = None):
+        """Start the first engines; ``wait_started`` waits for them. ``actor_cls``: the actor class of each
+        engine, ``EngineActor`` if None (a benchmark's subclass: ``disagg.bench.actors``)."""
         from disagg.rollout.openai_server import ServerAccess
 
         if cfg.rollout.openai_api:  # before any engine starts ('node': an address other than loopback)
             ServerAccess(cfg.rollout.api_host, cfg.rollout.api_port_base, api_key).check()
         self.cfg, self.device, self.model_path, self.coordinator = cfg, device, model_path, coordinator
+        self.actor_cls = actor_cls  # engines added later are of it too
         self.api_key = api_key  # what the engines' OpenAI API asks off loopback
         self.label_selector = dict(label_selector or {})  # cluster.rollout_nodes, for engines added later
         self.timeout_s = cfg.cluster.actor_timeout_s
@@ -56,12 +60,10 @@ class RolloutPool:
             self.engine_ids.append(eid)
         self._starting = [e.start.remote() for e in self.engines]
         self.start_info: list[dict[str, Any]] = []  # each engine's start report, once started
-        if wait:
-            self.wait_started()
 
     def wait_started(self) -> None:
-        """Wait for the first engines' start (``wait=False`` leaves it to the caller, who starts the
-        trainer meanwhile: its model loads while the engines profile and build their caches)."""
+        """Wait for the first engines' start (the caller may start the trainer meanwhile: its model
+        loads while the engines profile and build their caches)."""
         if self._starting:
             self.start_info = ray_get_logged(self._starting, what="engine start",
                                              timeout_s=self.cfg.rollout.start_timeout_s, log=log)
@@ -81,7 +83,7 @@ class RolloutPool:
         cfg, tp, eid = self.cfg, self.tp, self._next_id
         self._next_id += 1
         env = engines.actor_env(cfg.rollout, self.device, bundle_indices)
-        handle = ray.remote(EngineActor).options(
+        handle = ray.remote(self.actor_cls or EngineActor).options(
             num_cpus=cfg.rollout.cpus_per_engine if tp == 1 else 0,
             num_gpus=(cfg.rollout.gpus_per_engine if self.device == "cuda" else 0) if tp == 1 else 0,
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle_indices[0]),

@@ -25,7 +25,10 @@ log = logging.getLogger("disagg.trainer")
 
 
 class TrainerGroup:
-    def __init__(self, cfg: Config, pg, device: str, model_path: str, setup: bool = True):
+    def __init__(self, cfg: Config, pg, device: str, model_path: str, setup: bool = True,
+                 worker_cls: type | None = None):
+        """``worker_cls``: the actor class of each rank, ``TrainerWorker`` if None (a benchmark's subclass:
+        ``disagg.bench.actors``)."""
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -38,8 +41,9 @@ class TrainerGroup:
         if cfg.transport.overlap_push and not self.overlap_push:
             log.info("transport.overlap_push: off with source=gather over %d trainer workers (the gather is a "
                      "collective of the trainer ranks); pushes run between train steps", n)
-        cls = ray.remote(concurrency_groups={"transport": 1})(TrainerWorker) if self.overlap_push else ray.remote(
-            TrainerWorker)
+        worker_cls = worker_cls or TrainerWorker
+        cls = ray.remote(concurrency_groups={"transport": 1})(worker_cls) if self.overlap_push else ray.remote(
+            worker_cls)
         bundle = bundle_order(pg)  # rank i on bundle[i]: ranks ordered by node, then device
         env = faults.env_vars()  # fault-injection tests arm the workers' points through the driver's environment
         self.workers = [

@@ -55,7 +55,7 @@ class TrainerPush:
 
     def _layout(self, policy_version: int = 0):
         """The full-tensor manifest at ``policy_version``, planned at the first call (its layout changes
-        only when ``replan_buckets`` re-plans it)."""
+        only when a benchmark re-plans it: ``disagg.bench.actors``)."""
         from disagg.transport.model_transfer import model_manifest
 
         if self._manifest_cache.held is None:
@@ -92,40 +92,10 @@ class TrainerPush:
         self._coord.announce_version(m, trainer_step)
         return m.layout_digest()
 
-    def trace_next_push(self, path: str) -> None:
-        """Benchmarks: the next push runs under ``torch.profiler`` (host and, on a GPU, device
-        activity) and is written to ``path`` as a Chrome trace: where its time goes, step by step."""
-        self._trace_path = path
-
-    def replan_buckets(self, first_bucket_bytes: int) -> int:
-        """Benchmarks: lay the next pushes' buckets out with ``transport.first_bucket_bytes`` =
-        ``first_bucket_bytes`` (0: no ramp), side by side with another layout in one run
-        (``disagg bench vllm-sync --first-buckets``); the new layout's bucket count. The engines take
-        its manifest at its first sync (a new layout digest), and a delta image holds nothing of it."""
-        import dataclasses
-
-        self.transport_cfg = dataclasses.replace(self.transport_cfg, first_bucket_bytes=first_bucket_bytes)
-        self._manifest_cache.forget()
-        self._push_manifest_cache.forget()
-        if self.delta_image is not None:
-            self.delta_image.invalidate()
-        return len(self._layout().buckets)
-
-    def next_push_as(self, kind: str) -> None:
-        """Benchmarks: the next push goes ``dense`` or as a ``delta`` (against the version the engines
-        hold; dense where they hold none) whatever ``transport.delta`` would choose: a delta job's
-        dense baseline, side by side with its deltas (``disagg bench vllm-sync --delta``)."""
-        if kind not in ("dense", "delta"):
-            raise ValueError(f"next_push_as: kind must be 'dense' or 'delta', got {kind!r}")
-        if self.delta_image is None:
-            raise ValueError(f"next_push_as({kind!r}) needs transport.delta=on or auto, got "
-                             f"transport.delta={self.transport_cfg.delta!r}")
-        self._next_kind = kind
-
     def push_weights(self, policy_version: int, from_snapshot: bool = False, arm: Arm | None = None,
                      last_sync_s: float | None = None) -> dict[str, Any]:
-        """``_push``, under the profiler when ``trace_next_push`` asked (its timings then carry the
-        profiler's cost). ``last_sync_s``: the sync before, announce -> serving, as the driver saw
+        """``_push``, under the profiler when a benchmark asked (``_trace_path``; its timings then carry
+        the profiler's cost). ``last_sync_s``: the sync before, announce -> serving, as the driver saw
         it; ``transport.delta=auto`` weighs that sync's kind by it (the receivers' work included)."""
         if self.delta_chooser is not None and last_sync_s:
             self.delta_chooser.amend(last_sync_s)
@@ -234,7 +204,7 @@ class TrainerPush:
         return go
 
     def _push_kind(self) -> tuple[str | None, bool, bool]:
-        """(a benchmark's forced kind, or None; dense; estimate): a benchmark's choice (``next_push_as``),
+        """(a benchmark's forced kind, or None; dense; estimate): a benchmark's choice (``_next_kind``),
         else ``transport.delta``'s chooser's (``estimate``: a dense sync that times one bucket's
         encoding as a delta); without a chooser, what the sender's image allows."""
         forced, self._next_kind = self._next_kind, None

@@ -30,7 +30,6 @@ from disagg.logs import setup_logging
 from disagg.samples import TrainSample
 from disagg.storage import local_copy, writable_dir
 from disagg.trainer.batching import micro_batches
-from disagg.trainer.bench_peers import TrainerPeers
 from disagg.trainer.grpo import linear_warmup, mismatch_stats, ppo_clip_loss, token_logprobs
 from disagg.trainer.push import TrainerPush
 from disagg.trainer.snapshot import Snapshots
@@ -40,9 +39,9 @@ log = logging.getLogger("disagg.trainer")
 _RNG_FILE = re.compile(r"rng_rank\d+\.pt")
 
 
-class TrainerWorker(TrainerPush, TrainerPeers):
+class TrainerWorker(TrainerPush):
     """Wrapped with ``ray.remote`` by ``TrainerGroup``. Its weight push is ``TrainerPush``'s
-    (``trainer/push.py``); the benchmarks' raw broadcast and peers are ``TrainerPeers``'."""
+    (``trainer/push.py``). The benchmarks' routes are a subclass's (``disagg.bench.actors``)."""
 
     def __init__(self, rank: int, world_size: int, model_path: str, cfg: TrainerConfig, algo: AlgorithmConfig,
                  transport: TransportConfig, temperature: float, device: str, log_level: str = "INFO",
@@ -79,8 +78,8 @@ class TrainerWorker(TrainerPush, TrainerPeers):
         self._step_delay_s = cfg.step_delay_s
         self._hold: tuple[threading.Event, float] | None = None  # tests: the next step waits for release_step
         self._coord = None
-        self._trace_path: str | None = None  # benchmarks: the next push runs under the profiler (trace_next_push)
-        self._next_kind: str | None = None  # benchmarks: the next push dense or a delta (next_push_as)
+        self._trace_path: str | None = None  # the next push runs under the profiler (benchmarks: BenchTrainerWorker)
+        self._next_kind: str | None = None  # the next push forced dense or a delta (benchmarks: BenchTrainerWorker)
 
     # ---- setup ---------------------------------------------------------------------
     def node_ip(self) -> str:
