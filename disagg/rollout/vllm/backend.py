@@ -37,7 +37,7 @@ class VllmBackend:
             **api.memory_args(cfg.gpu_memory_utilization),
             max_num_seqs=cfg.max_num_seqs,
             enforce_eager=cfg.enforce_eager,
-            **api.compilation_args(cfg.max_cudagraph_capture_size, cfg.compile),
+            **api.compilation_args(cfg.max_cudagraph_capture_size, None if cfg.enforce_eager else cfg.compile),
             tensor_parallel_size=cfg.tensor_parallel_size,
             distributed_executor_backend=api.executor_backend(cfg.tensor_parallel_size),
             seed=seed,
