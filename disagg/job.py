@@ -28,7 +28,8 @@ class Job:
     def __init__(self, cfg: Config, run_dir: Path, model_path: Path | str, engine_cls: type | None = None,
                  trainer_cls: type | None = None):
         self.cfg = cfg
-        # The actors' classes (None: the production ones); a benchmark's subclasses carry its routes (disagg.bench.actors).
+        # The actors' classes (None: the production ones); a benchmark's subclasses carry its routes
+        # (disagg.bench.actors).
         self.engine_cls, self.trainer_cls = engine_cls, trainer_cls
         self.run_dir = run_dir
         # The model the actors load: a local directory, or the checkpoint a resumed run starts from
