@@ -195,7 +195,32 @@ def _config(o: VllmSyncOptions):
 def run(o: VllmSyncOptions) -> dict[str, Any]:
     import ray
 
-    from disagg.bench.actors import BenchEngineActor, BenchTrainerWorker, replan_buckets
+    cfg, report, job = _start(o)
+    try:
+        nbytes = _first_sync(job, cfg, o, report)
+        passes = _Passes.of(o, cfg)
+        m = _Measures(syncs={label: [] for label in passes.labels()})
+        peer_info = _peer_init(job, cfg, o.peer) if o.peer else None
+        raw = _raw_broadcast(job, cfg, nbytes)
+        version = _run_blocks(job, o, passes, raw, m, report)
+        if o.delta:
+            version = _delta_block(job, o, raw, version, m.raw_s, m.syncs)
+        if o.trace:
+            version += 1
+            report["trace"], report["engine_traces"] = _traced_sync(job, o, version)
+        if peer_info is not None:
+            _run_peer(job, cfg, o, peer_info, raw, m)
+        _finish_report(report, o, passes, m)
+    finally:
+        job.shutdown()
+        ray.shutdown()
+    return report
+
+
+def _start(o: VllmSyncOptions):
+    """The job as ``disagg train`` starts it, with the bench's engine and trainer classes, and the
+    report's heading: the config, the report and the job."""
+    from disagg.bench.actors import BenchEngineActor, BenchTrainerWorker
     from disagg.job import Job
     from disagg.model.warmstart import prepare_model
 
@@ -208,90 +233,140 @@ def run(o: VllmSyncOptions) -> dict[str, Any]:
     if o.nccl_socket:  # before Ray starts: its workers, the job's trainer and engines, inherit it
         os.environ.update(NCCL_P2P_DISABLE="1", NCCL_SHM_DISABLE="1")
     job = Job.start(cfg, run_dir, model_path, engine_cls=BenchEngineActor, trainer_cls=BenchTrainerWorker)
-    try:
-        engines = job.rollout.engines
-        version = 1
-        first = job.sync_weights(version, trainer_step=0)
-        nbytes = first.bytes
-        report.update(bytes=nbytes, backend=job.backend, engines=len(engines),
-                      engine_workers=job.rollout.num_workers, first_sync_s=first.seconds,
-                      trainer=f"{cfg.trainer.num_workers} worker(s), float32 weights, "
-                              + (f"AdamW steps at lr {o.delta_lr:g} before the delta block's syncs" if o.delta else
-                                 "no optimizer state (the bench trains no step; AdamW's state is made at the first)")
-                              + f"; {cfg.transport.dtype or 'float32'} on the wire")
-        raw_s: list[float] = []
-        peer_s: list[float] = []
+    return cfg, report, job
+
+
+def _first_sync(job, cfg, o: VllmSyncOptions, report: dict[str, Any]) -> int:
+    """The first sync (dummy -> real weights, version 1, not timed), and what the report says of the job
+    and its weights: the manifest's bytes."""
+    first = job.sync_weights(1, trainer_step=0)
+    report.update(bytes=first.bytes, backend=job.backend, engines=len(job.rollout.engines),
+                  engine_workers=job.rollout.num_workers, first_sync_s=first.seconds,
+                  trainer=f"{cfg.trainer.num_workers} worker(s), float32 weights, "
+                          + (f"AdamW steps at lr {o.delta_lr:g} before the delta block's syncs" if o.delta else
+                             "no optimizer state (the bench trains no step; AdamW's state is made at the first)")
+                          + f"; {cfg.transport.dtype or 'float32'} on the wire")
+    return first.bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class _Passes:
+    """The blocks of timed syncs, (load mode, armed, from a snapshot) each, run once per bucket layout
+    (``transport.first_bucket_bytes``) and per ``transport.signals``; labelled with the layout and the
+    signals only where there is more than one of them."""
+
+    blocks: list[tuple[str, bool, bool]]
+    ramps: tuple[int, ...]
+    ways: tuple[str, ...]
+
+    @classmethod
+    def of(cls, o: VllmSyncOptions, cfg) -> _Passes:
         blocks = [(m, armed, False) for m in o.loads for armed in ((False, True) if o.armed else (False,))]
         blocks += [(o.loads[0], False, True)] if o.snapshot else []
-        ramps = o.first_buckets or (cfg.transport.first_bucket_bytes,)
-        named = len(ramps) > 1  # the labels say which layout
-        ways = o.signals or (cfg.transport.signals,)
+        return cls(blocks, ramps=o.first_buckets or (cfg.transport.first_bucket_bytes,),
+                   ways=o.signals or (cfg.transport.signals,))
 
-        def label_of(mode: str, armed: bool, from_snapshot: bool, first: int, way: str) -> str:
-            return (_label(mode, armed, from_snapshot) + (f", {_ramp_label(first)}" if named else "")
-                    + (f", {_signals_label(way)}" if len(ways) > 1 else ""))
+    @property
+    def named(self) -> bool:  # the labels say which layout
+        return len(self.ramps) > 1
 
-        syncs: dict[str, list[dict[str, Any]]] = {label_of(m, a, snap, f, w): [] for w in ways for f in ramps
-                                                  for m, a, snap in blocks}
-        snapshots: list[dict[str, float]] = []
-        resolved = {}
-        peer_info = _peer_init(job, cfg, o.peer) if o.peer else None
+    def label(self, mode: str, armed: bool, from_snapshot: bool, first: int, way: str) -> str:
+        return (_label(mode, armed, from_snapshot) + (f", {_ramp_label(first)}" if self.named else "")
+                + (f", {_signals_label(way)}" if len(self.ways) > 1 else ""))
 
-        def raw() -> float:
-            sides = ray.get([job.trainer.transport_method(0, "raw_send").remote(nbytes, 1)]
-                            + [e.raw_receive.remote(nbytes, 1) for e in engines], timeout=cfg.transport.timeout_s + 30)
-            return max(s[0] for s in sides)
+    def labels(self) -> list[str]:  # in the order the blocks run
+        return [self.label(m, a, snap, f, w) for w, f, (m, a, snap) in itertools.product(self.ways, self.ramps,
+                                                                                         self.blocks)]
 
-        # Each mode in a block of its own (a direct load replays its copy plan from the second sync of
-        # a block on: the first learns it), each timed sync beside a raw broadcast of the same bytes.
-        for way, first, block in itertools.product(ways, ramps, blocks):
-            mode, armed, from_snapshot = block
-            label = label_of(mode, armed, from_snapshot, first, way)
-            job.weights.set_signals(way)  # (a pass's first block rebuilds the transport for it; later ones keep it)
-            if named and block == blocks[0]:  # a layout's first block: the trainer re-plans its buckets
-                report.setdefault("layouts", {})[_ramp_label(first)] = replan_buckets(job, first)  # its bucket count
-            resolved[mode] = ray.get([e.set_load_mode.remote(mode) for e in engines], timeout=60)[0]
-            for i in range(o.warmup + o.repeats):
-                if o.delta:  # the weights did not change: these blocks time dense syncs
-                    _next_push_as(job, "dense")
-                version += 1
-                r, row = _timed_sync(job, raw, version, armed, from_snapshot, snapshots)
-                if i >= o.warmup:
-                    raw_s.append(r)
-                    syncs[label].append(row)
-                log.warning("%s %d/%d: raw %.4f s, sync %.4f s (%s)", label, i + 1, o.warmup + o.repeats, r,
-                            row["seconds"], row["copy_plan"] or "loader")
-        if o.delta:
-            version = _delta_block(job, o, raw, version, raw_s, syncs)
-        if o.trace:
+
+@dataclasses.dataclass
+class _Measures:
+    """What the timed iterations gather, block after block, for the report."""
+
+    syncs: dict[str, list[dict[str, Any]]]  # label -> each timed sync's row
+    raw_s: list[float] = dataclasses.field(default_factory=list)  # every timed raw broadcast, blocks and peer
+    peer_s: list[float] = dataclasses.field(default_factory=list)
+    peer_runs: list[dict[str, float]] = dataclasses.field(default_factory=list)
+    snapshots: list[dict[str, float]] = dataclasses.field(default_factory=list)  # the snapshots the bench took
+    resolved: dict[str, Any] = dataclasses.field(default_factory=dict)  # load mode -> what the engines resolved
+
+
+def _raw_broadcast(job, cfg, nbytes: int):
+    """A raw broadcast of ``nbytes`` from the trainer to every engine worker over the job's transport
+    group, as a call returning its seconds (the slowest side's)."""
+    import ray
+
+    engines = job.rollout.engines
+
+    def raw() -> float:
+        sides = ray.get([job.trainer.transport_method(0, "raw_send").remote(nbytes, 1)]
+                        + [e.raw_receive.remote(nbytes, 1) for e in engines], timeout=cfg.transport.timeout_s + 30)
+        return max(s[0] for s in sides)
+
+    return raw
+
+
+def _run_blocks(job, o: VllmSyncOptions, passes: _Passes, raw, m: _Measures, report: dict[str, Any]) -> int:
+    """Every pass's blocks, into ``m``; a layout's bucket count into the report. Returns the last version.
+
+    Each mode in a block of its own (a direct load replays its copy plan from the second sync of
+    a block on: the first learns it), each timed sync beside a raw broadcast of the same bytes."""
+    import ray
+
+    from disagg.bench.actors import replan_buckets
+
+    engines = job.rollout.engines
+    version = 1
+    for way, first, block in itertools.product(passes.ways, passes.ramps, passes.blocks):
+        mode, armed, from_snapshot = block
+        label = passes.label(mode, armed, from_snapshot, first, way)
+        job.weights.set_signals(way)  # (a pass's first block rebuilds the transport for it; later ones keep it)
+        if passes.named and block == passes.blocks[0]:  # a layout's first block: the trainer re-plans its buckets
+            report.setdefault("layouts", {})[_ramp_label(first)] = replan_buckets(job, first)  # its bucket count
+        m.resolved[mode] = ray.get([e.set_load_mode.remote(mode) for e in engines], timeout=60)[0]
+        for i in range(o.warmup + o.repeats):
+            if o.delta:  # the weights did not change: these blocks time dense syncs
+                _next_push_as(job, "dense")
             version += 1
-            report["trace"], report["engine_traces"] = _traced_sync(job, o, version)
-        peer_runs: list[dict[str, float]] = []
-        if o.peer == "vllm-nccl":  # vLLM's calls go to its own engine for the peer's block (not timed)
-            ray.get([e.peer_use.remote("vllm-nccl") for e in engines], timeout=60)
-        for i in range(o.warmup + o.repeats if peer_info is not None else 0):
-            r = raw()
-            p = _peer_sync(job, cfg, o.peer, peer_info, i)
+            r, row = _timed_sync(job, raw, version, armed, from_snapshot, m.snapshots)
             if i >= o.warmup:
-                raw_s.append(r)
-                peer_s.append(p["seconds"])
-                peer_runs.append(p)
-            log.warning("%s %d/%d: raw %.4f s, sync %.4f s%s", o.peer, i + 1, o.warmup + o.repeats, r, p["seconds"],
-                        "".join(f", {k} {v:.4f} s" for k, v in p.items() if k != "seconds"))
-        register_s = [p["register_s"] for p in peer_runs if "register_s" in p]
-        if snapshots:
-            report["snapshot"] = {"seconds": statistics.median(x["seconds"] for x in snapshots),
-                                  "bytes": snapshots[0]["bytes"]}
-        report.update(summarise(raw_s, syncs, peer_s, register_s), raw_all_s=raw_s, syncs=syncs,
-                      resolved_loads=resolved, peer_all_s=peer_s, peer_all=peer_runs)
-        if len(ways) > 1:
-            report["words"] = compare_words(report["modes"], [_signals_label(w) for w in ways])
-        if o.delta:
-            report["delta"] = delta_summary(syncs, o.loads[0])
-    finally:
-        job.shutdown()
-        ray.shutdown()
-    return report
+                m.raw_s.append(r)
+                m.syncs[label].append(row)
+            log.warning("%s %d/%d: raw %.4f s, sync %.4f s (%s)", label, i + 1, o.warmup + o.repeats, r,
+                        row["seconds"], row["copy_plan"] or "loader")
+    return version
+
+
+def _run_peer(job, cfg, o: VllmSyncOptions, peer_info: dict[str, Any], raw, m: _Measures) -> None:
+    """The peer's block, into ``m``: each of its syncs beside a raw broadcast of the same bytes."""
+    import ray
+
+    if o.peer == "vllm-nccl":  # vLLM's calls go to its own engine for the peer's block (not timed)
+        ray.get([e.peer_use.remote("vllm-nccl") for e in job.rollout.engines], timeout=60)
+    for i in range(o.warmup + o.repeats):
+        r = raw()
+        p = _peer_sync(job, cfg, o.peer, peer_info, i)
+        if i >= o.warmup:
+            m.raw_s.append(r)
+            m.peer_s.append(p["seconds"])
+            m.peer_runs.append(p)
+        log.warning("%s %d/%d: raw %.4f s, sync %.4f s%s", o.peer, i + 1, o.warmup + o.repeats, r, p["seconds"],
+                    "".join(f", {k} {v:.4f} s" for k, v in p.items() if k != "seconds"))
+
+
+def _finish_report(report: dict[str, Any], o: VllmSyncOptions, passes: _Passes, m: _Measures) -> None:
+    """The medians and every timed iteration into the report; the words compared where the passes
+    differ in ``transport.signals``, the delta syncs against the dense ones with ``--delta``."""
+    register_s = [p["register_s"] for p in m.peer_runs if "register_s" in p]
+    if m.snapshots:
+        report["snapshot"] = {"seconds": statistics.median(x["seconds"] for x in m.snapshots),
+                              "bytes": m.snapshots[0]["bytes"]}
+    report.update(summarise(m.raw_s, m.syncs, m.peer_s, register_s), raw_all_s=m.raw_s, syncs=m.syncs,
+                  resolved_loads=m.resolved, peer_all_s=m.peer_s, peer_all=m.peer_runs)
+    if len(passes.ways) > 1:
+        report["words"] = compare_words(report["modes"], [_signals_label(w) for w in passes.ways])
+    if o.delta:
+        report["delta"] = delta_summary(m.syncs, o.loads[0])
 
 
 def _timed_sync(job, raw, version: int, armed: bool, from_snapshot: bool,
