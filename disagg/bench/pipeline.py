@@ -520,6 +520,102 @@ def run(o: PipelineBenchOptions, only: set[str]) -> dict[str, Any]:
     return report
 
 
+def _tail_ratio_rows(table, t: dict[str, Any], options: dict[str, Any]) -> None:
+    """The long tail's ratios between runs (or, with one run of each pair left out, the rates alone)."""
+    st = options["tail_staleness"]
+    k = options["tail_sync_interval"]
+    labels = {"stream_vs_batch": f"long tail: trained tokens/s, stream vs batch (both at staleness {st}; "
+                                 f"requests in flight at a sync: {t['in_flight_at_sync']})",
+              "async_stream_vs_sync_batch": f"long tail: async + stream (staleness {st}) vs sync + batch "
+                                            "(staleness 0)",
+              "stream_interval_vs_sync_batch": f"long tail: async + stream, engines taking every {k}th "
+                                               "version, vs sync + batch"}
+    for name, mode, base, target in TAIL_RATIOS:
+        if name in t:
+            a, b = t[mode], t[base]
+            measured = (f"{a['trained_tokens_per_s']:.0f} vs {b['trained_tokens_per_s']:.0f} "
+                        f"(stale drops {a['dropped_stale']} vs {b['dropped_stale']}; "
+                        f"{a.get('num_steps', '?')} vs {b.get('num_steps', '?')} steps)")
+            table.add_row(labels[name], measured, f"{t[name]:.2f}", target)
+    if "keep_vs_resubmit" in t:
+        keep, res = keep_and_resubmit(t)
+        table.add_row("long tail: trained tokens/s, stream with the requests in flight at a sync kept vs "
+                      f"resubmitted ({keep} vs {res}; above 1: `auto` should keep)",
+                      f"{t[keep]['trained_tokens_per_s']:.0f} vs {t[res]['trained_tokens_per_s']:.0f} "
+                      f"(stale drops {t[keep]['dropped_stale']} vs {t[res]['dropped_stale']})",
+                      f"{t['keep_vs_resubmit']:.2f}", "")
+    if not any(name in t for name, *_ in TAIL_RATIOS):  # --tail-runs left one run of a pair out: rates alone
+        rates = ", ".join(f"{m} {v['trained_tokens_per_s']:.0f}" for m, v in t.items() if isinstance(v, dict))
+        table.add_row(f"long tail: trained tokens/s (requests in flight at a sync: {t['in_flight_at_sync']})",
+                      rates, "", "")
+    if t.get("max_num_seqs"):
+        table.add_row("  the engine: concurrent sequences / largest CUDA-graph batch",
+                      f"{t['max_num_seqs']} / {t.get('cudagraph_max_size') or 'none'}", "", "")
+
+
+def _tail_run_rows(table, mode: str, m: dict[str, Any]) -> None:
+    """One long-tail run's figures: its step median, the engines' rates, their part of each sync."""
+    if "train_s_median" in m:
+        table.add_row(f"  {mode} step median (train / waiting for a batch / engines' tokens/s then)",
+                      f"{m['step_s_median']:.2f} s ({m['train_s_median']:.2f} / "
+                      f"{m.get('rollout_s_median', 0.0):.2f} / {m.get('tokens_per_s_median', 0.0):.0f})", "", "")
+    if "engine_tokens_per_s" in m:
+        table.add_row(f"  {mode}: tokens the engines made per second of the run",
+                      f"{m['engine_tokens_per_s']:.0f} ({m['engines']['tokens_generated']} in "
+                      f"{m['seconds']:.1f} s)", "", "")
+    if m.get("engine_sampled_tokens_per_s"):
+        table.add_row(f"  {mode}: tokens the engines sampled per second, finished or not",
+                      f"{m['engine_sampled_tokens_per_s']:.0f} ({m['engines']['vllm_generation_tokens']})",
+                      "", "")
+    if "engine_update_s_median" in m:
+        table.add_row(f"  {mode}: an engine's part of each sync, median (requests frozen / load / resume)",
+                      f"{1e3 * m.get('engine_quiesce_s_median', 0.0):.1f} / "
+                      f"{1e3 * m['engine_update_s_median']:.1f} / {1e3 * m.get('engine_resume_s_median', 0.0):.1f} ms",
+                      "", "")
+    e = m.get("engines") or {}
+    if e.get("resubmits"):
+        table.add_row(f"  {mode} resubmits at syncs (KV kept / prefilled again, tokens)",
+                      f"{e['resubmits']} ({e['resubmit_kv_kept_tokens']} / {e['resubmit_prefill_tokens']})",
+                      "", "")
+    if e.get("counted_cuts"):
+        table.add_row(f"  {mode} pauses at syncs (responses cut by the engine core's counts)",
+                      f"{e['pauses']} ({e['counted_cuts']} cuts)", "", "")
+    if e.get("dropped_stale_in_flight"):
+        table.add_row(f"  {mode}: groups the engines stopped once no step could train them",
+                      f"{e['dropped_stale_in_flight']} (stale drops in all: {m['dropped_stale']} "
+                      "samples)", "", "")
+
+
+def _overlap_rows(table, r: dict[str, Any]) -> None:
+    stages = (f"rollout {r['rollout_stage_s']:.2f} s, reward {r['reward_stage_s']:.2f} s in total, "
+              f"{r['reward_pool_s']:.2f} s on {r['reward_workers']} workers")
+    table.add_row("reward overlap: batch ready, overlapped / longest stage",
+                  f"{r['overlapped_stage_s']:.2f} s ({stages})", f"{r['overlap_step_vs_max_stage']:.2f}", "<= 1.2")
+    table.add_row("reward after generation: serial / longest stage", f"{r['serial_stage_s']:.2f} s",
+                  f"{r['serial_step_vs_max_stage']:.2f}", "")
+
+
+def _async_rows(table, a: dict[str, Any]) -> None:
+    table.add_row(f"async (staleness 1) vs sync: samples/s after {a['async']['warmup_steps']} warm-up steps",
+                  f"{a['async']['samples_per_s']:.0f} vs {a['sync']['samples_per_s']:.0f}",
+                  f"{a['async_vs_sync']:.2f}", ">= 1.6")
+    table.add_row("  the same, warm-up included",
+                  f"{a['async']['samples_per_s_with_warmup']:.0f} vs {a['sync']['samples_per_s_with_warmup']:.0f} "
+                  f"(warm-up {a['async']['warmup_s']:.1f} s vs {a['sync']['warmup_s']:.1f} s)",
+                  f"{a['async_vs_sync_with_warmup']:.2f}", "")
+    for name in ("sync", "async"):
+        m = a[name]["median_s"]
+        table.add_row(f"  {name}: step median (train / waiting for a batch / sync)",
+                      f"{m['step_s']:.2f} s ({m['train_s']:.2f} / {m['rollout_s']:.2f} / {m['weight_sync_s']:.2f})",
+                      "", "")
+    for name in ("sync", "async"):
+        x = a[name]
+        reached = (f"step {x['threshold_step']} ({x['threshold_seconds']:.0f} s)" if x["threshold_step"]
+                   else "not reached")
+        table.add_row(f"  {name}: reward >= {a['threshold']} (10-step mean)", reached,
+                      f"{x['reward_last_10']:.3f}", "")
+
+
 def render(report: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -531,96 +627,14 @@ def render(report: dict[str, Any]) -> None:
         table.add_column(col, justify="left" if col in ("comparison", "measured") else "right")
     if "long_tail" in report:
         t = report["long_tail"]
-        st = report["options"]["tail_staleness"]
-        k = report["options"]["tail_sync_interval"]
-        labels = {"stream_vs_batch": f"long tail: trained tokens/s, stream vs batch (both at staleness {st}; "
-                                     f"requests in flight at a sync: {t['in_flight_at_sync']})",
-                  "async_stream_vs_sync_batch": f"long tail: async + stream (staleness {st}) vs sync + batch "
-                                                "(staleness 0)",
-                  "stream_interval_vs_sync_batch": f"long tail: async + stream, engines taking every {k}th "
-                                                   "version, vs sync + batch"}
-        for name, mode, base, target in TAIL_RATIOS:
-            if name in t:
-                a, b = t[mode], t[base]
-                measured = (f"{a['trained_tokens_per_s']:.0f} vs {b['trained_tokens_per_s']:.0f} "
-                            f"(stale drops {a['dropped_stale']} vs {b['dropped_stale']}; "
-                            f"{a.get('num_steps', '?')} vs {b.get('num_steps', '?')} steps)")
-                table.add_row(labels[name], measured, f"{t[name]:.2f}", target)
-        if "keep_vs_resubmit" in t:
-            keep, res = keep_and_resubmit(t)
-            table.add_row("long tail: trained tokens/s, stream with the requests in flight at a sync kept vs "
-                          f"resubmitted ({keep} vs {res}; above 1: `auto` should keep)",
-                          f"{t[keep]['trained_tokens_per_s']:.0f} vs {t[res]['trained_tokens_per_s']:.0f} "
-                          f"(stale drops {t[keep]['dropped_stale']} vs {t[res]['dropped_stale']})",
-                          f"{t['keep_vs_resubmit']:.2f}", "")
-        if not any(name in t for name, *_ in TAIL_RATIOS):  # --tail-runs left one run of a pair out: rates alone
-            rates = ", ".join(f"{m} {v['trained_tokens_per_s']:.0f}" for m, v in t.items() if isinstance(v, dict))
-            table.add_row(f"long tail: trained tokens/s (requests in flight at a sync: {t['in_flight_at_sync']})",
-                          rates, "", "")
-        if t.get("max_num_seqs"):
-            table.add_row("  the engine: concurrent sequences / largest CUDA-graph batch",
-                          f"{t['max_num_seqs']} / {t.get('cudagraph_max_size') or 'none'}", "", "")
-        for mode in t:
-            m = t[mode]
-            if not isinstance(m, dict):
-                continue
-            if "train_s_median" in m:
-                table.add_row(f"  {mode} step median (train / waiting for a batch / engines' tokens/s then)",
-                              f"{m['step_s_median']:.2f} s ({m['train_s_median']:.2f} / "
-                              f"{m.get('rollout_s_median', 0.0):.2f} / {m.get('tokens_per_s_median', 0.0):.0f})", "", "")
-            if "engine_tokens_per_s" in m:
-                table.add_row(f"  {mode}: tokens the engines made per second of the run",
-                              f"{m['engine_tokens_per_s']:.0f} ({m['engines']['tokens_generated']} in "
-                              f"{m['seconds']:.1f} s)", "", "")
-            if m.get("engine_sampled_tokens_per_s"):
-                table.add_row(f"  {mode}: tokens the engines sampled per second, finished or not",
-                              f"{m['engine_sampled_tokens_per_s']:.0f} ({m['engines']['vllm_generation_tokens']})",
-                              "", "")
-            if "engine_update_s_median" in m:
-                table.add_row(f"  {mode}: an engine's part of each sync, median (requests frozen / load / resume)",
-                              f"{1e3 * m.get('engine_quiesce_s_median', 0.0):.1f} / "
-                              f"{1e3 * m['engine_update_s_median']:.1f} / {1e3 * m.get('engine_resume_s_median', 0.0):.1f} ms",
-                              "", "")
-            e = m.get("engines") or {}
-            if e.get("resubmits"):
-                table.add_row(f"  {mode} resubmits at syncs (KV kept / prefilled again, tokens)",
-                              f"{e['resubmits']} ({e['resubmit_kv_kept_tokens']} / {e['resubmit_prefill_tokens']})",
-                              "", "")
-            if e.get("counted_cuts"):
-                table.add_row(f"  {mode} pauses at syncs (responses cut by the engine core's counts)",
-                              f"{e['pauses']} ({e['counted_cuts']} cuts)", "", "")
-            if e.get("dropped_stale_in_flight"):
-                table.add_row(f"  {mode}: groups the engines stopped once no step could train them",
-                              f"{e['dropped_stale_in_flight']} (stale drops in all: {m['dropped_stale']} "
-                              "samples)", "", "")
+        _tail_ratio_rows(table, t, report["options"])
+        for mode, m in t.items():
+            if isinstance(m, dict):
+                _tail_run_rows(table, mode, m)
     if "reward_overlap" in report:
-        r = report["reward_overlap"]
-        stages = (f"rollout {r['rollout_stage_s']:.2f} s, reward {r['reward_stage_s']:.2f} s in total, "
-                  f"{r['reward_pool_s']:.2f} s on {r['reward_workers']} workers")
-        table.add_row("reward overlap: batch ready, overlapped / longest stage",
-                      f"{r['overlapped_stage_s']:.2f} s ({stages})", f"{r['overlap_step_vs_max_stage']:.2f}", "<= 1.2")
-        table.add_row("reward after generation: serial / longest stage", f"{r['serial_stage_s']:.2f} s",
-                      f"{r['serial_step_vs_max_stage']:.2f}", "")
+        _overlap_rows(table, report["reward_overlap"])
     if "async" in report:
-        a = report["async"]
-        table.add_row(f"async (staleness 1) vs sync: samples/s after {a['async']['warmup_steps']} warm-up steps",
-                      f"{a['async']['samples_per_s']:.0f} vs {a['sync']['samples_per_s']:.0f}",
-                      f"{a['async_vs_sync']:.2f}", ">= 1.6")
-        table.add_row("  the same, warm-up included",
-                      f"{a['async']['samples_per_s_with_warmup']:.0f} vs {a['sync']['samples_per_s_with_warmup']:.0f} "
-                      f"(warm-up {a['async']['warmup_s']:.1f} s vs {a['sync']['warmup_s']:.1f} s)",
-                      f"{a['async_vs_sync_with_warmup']:.2f}", "")
-        for name in ("sync", "async"):
-            m = a[name]["median_s"]
-            table.add_row(f"  {name}: step median (train / waiting for a batch / sync)",
-                          f"{m['step_s']:.2f} s ({m['train_s']:.2f} / {m['rollout_s']:.2f} / {m['weight_sync_s']:.2f})",
-                          "", "")
-        for name in ("sync", "async"):
-            x = a[name]
-            reached = (f"step {x['threshold_step']} ({x['threshold_seconds']:.0f} s)" if x["threshold_step"]
-                       else "not reached")
-            table.add_row(f"  {name}: reward >= {a['threshold']} (10-step mean)", reached,
-                          f"{x['reward_last_10']:.3f}", "")
+        _async_rows(table, report["async"])
     Console().print(table)
 
 
