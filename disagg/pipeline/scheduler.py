@@ -158,8 +158,10 @@ class GroupScheduler:
     def last_chance(self, train_version: int, max_staleness: int) -> list[Group]:
         """Groups still generating or scoring that only the step on ``train_version`` can train: the
         next one, on ``train_version + 1``, would find them too stale (``algorithm.stale_groups=wait``
-        holds the step for them)."""
-        return [g for g in self.inflight.values() if train_version + 1 - g.min_version > max_staleness]
+        holds the step for them). Not those this step cannot train either (a limit lowered at run
+        time): they are dropped as stale whatever the step does."""
+        return [g for g in self.inflight.values()
+                if train_version - g.min_version <= max_staleness < train_version + 1 - g.min_version]
 
     def take_batch(self, train_version: int, max_staleness: int) -> list[Group] | None:
         """The groups to train on ``train_version``, or None if not ready yet.

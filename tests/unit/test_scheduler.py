@@ -211,6 +211,8 @@ def test_a_step_waits_only_for_groups_it_is_the_last_to_be_able_to_train() -> No
     assert s.counts["steps_held_for_old_groups"] == 1
     # group 2 (version 4) has one more step: the next step, on 6, is its last and waits for it
     assert s.take_batch(train_version=6, max_staleness=2) is None and not s.last_chance(5, 2)
+    # the limit lowered to 0 at run time: no step can train group 2 any more, so none waits for it
+    assert not s.last_chance(6, 0) and s.take_batch(train_version=6, max_staleness=0) is None  # 1 ready of 2
     with pytest.raises(ValueError, match="algorithm.stale_groups.*'keep'"):
         GroupScheduler(2, 8, stale_groups="keep")
 
