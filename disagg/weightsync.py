@@ -199,8 +199,7 @@ class WeightSync:
     def _manifest_at(self, policy_version: int) -> Manifest:
         """The trainer's manifest at ``policy_version``, asked of it once (its layout changes only when
         a benchmark re-plans it: ``forget_manifest``)."""
-        manifest = self._manifest_cache.at(policy_version)
-        return manifest if manifest is not None else self._manifest_cache.hold(self.trainer.manifest(policy_version))
+        return self._manifest_cache.made_at(policy_version, lambda: self.trainer.manifest(policy_version))
 
     def disarm(self, timeout_s: float | None = None) -> None:
         """Call off the armed receive, if any: the trainer tells the engines, which return having loaded

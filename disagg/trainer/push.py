@@ -58,11 +58,9 @@ class TrainerPush:
         only when a benchmark re-plans it: ``disagg.bench.actors``)."""
         from disagg.transport.model_transfer import model_manifest
 
-        if self._manifest_cache.held is None:
-            cfg = self.transport_cfg
-            full = model_manifest(self.model, cfg.bucket_bytes, 0, cfg.dtype, cfg.first_bucket_bytes)
-            self._manifest_cache.hold(full)
-        return self._manifest_cache.at(policy_version)
+        cfg = self.transport_cfg
+        return self._manifest_cache.made_at(policy_version, lambda: model_manifest(
+            self.model, cfg.bucket_bytes, 0, cfg.dtype, cfg.first_bucket_bytes))
 
     def _take_snapshot(self, policy_version: int):
         """The parameters copied as ``policy_version``, laid out as this rank's push sends them."""

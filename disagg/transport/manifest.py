@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -159,7 +160,8 @@ class ManifestCache:
 
     A layout never changes under its digest, so the manifest held answers for any policy version
     (re-versioned by ``with_version``, its digest carried over, not hashed again): ``at`` for the
-    holder whose own layout it is (the driver and the trainer), ``by_digest`` for a receiver told
+    holder whose own layout it is (the driver and the trainer; ``made_at`` makes it there at the first
+    ask), ``by_digest`` for a receiver told
     only a digest, which answers only when that digest is the held one's. Otherwise nothing is
     answered here (None): the holder gets the manifest where it is made (the trainer plans it, the
     driver asks the trainer, an engine asks the coordinator, a worker refuses the update) and
@@ -191,6 +193,13 @@ class ManifestCache:
     def at(self, policy_version: int) -> Manifest | None:
         """The held manifest at ``policy_version`` (None: none held)."""
         return self._manifest.with_version(policy_version) if self._manifest is not None else None
+
+    def made_at(self, policy_version: int, make: Callable[[], Manifest]) -> Manifest:
+        """The held manifest at ``policy_version``, made by ``make`` and held first where none is (the
+        holder whose own layout it is: the driver asks the trainer, the trainer plans it)."""
+        if self._manifest is None:
+            self.hold(make())
+        return self._manifest.with_version(policy_version)
 
     def by_digest(self, digest: str | None, policy_version: int) -> Manifest | None:
         """The held manifest at ``policy_version`` when its layout digest is ``digest``; else None."""

@@ -277,6 +277,12 @@ def test_a_held_manifest_answers_its_own_digest_at_any_version_and_nothing_else(
     assert cache.holds(other.layout_digest()) and cache.by_digest(m.layout_digest(), 9) is None
     cache.forget()
     assert cache.held is None and cache.at(9) is None and cache.by_digest(other.layout_digest(), 9) is None
+    # the holder whose layout it is: made once, at the first ask, then held
+    made = []
+    first = cache.made_at(5, lambda: made.append(1) or m)
+    assert first.policy_version == 5 and cache.held is m and made == [1]
+    assert cache.made_at(6, lambda: made.append(1) or other).layout_digest() == m.layout_digest() and made == [1]
+
 
 @pytest.mark.parametrize("dtype", sorted(DTYPE_BYTES))
 def test_dtype_table_matches_torch(dtype: str) -> None:
