@@ -5,7 +5,6 @@ release takes it."""
 from __future__ import annotations
 
 import time
-
 from typing import Any
 
 from disagg.config import RolloutConfig
@@ -18,10 +17,10 @@ WORKER_EXTENSION = "disagg.rollout.vllm.transfer.DisaggWorkerExtension"
 class VllmBackend:
     """``EngineBackend`` over vLLM's ``AsyncLLM`` (``engine``)."""
 
-    def __init__(self, engine, model_path: str) -> None:
+    def __init__(self, engine, model_path: str, import_s: float | None = None) -> None:
         self.engine, self.model_path = engine, model_path
         self.name = f"vLLM {api.vllm_version()}"
-        self.import_s: float | None = None  # seconds to import vLLM's engine (start)
+        self.import_s = import_s  # seconds to import vLLM's engine (start)
 
     @classmethod
     def start(cls, cfg: RolloutConfig, model_path: str, seed: int) -> "VllmBackend":
@@ -29,7 +28,7 @@ class VllmBackend:
         t = time.perf_counter()
         api.import_engine()  # timed apart: on a fresh machine most of an engine's start before vLLM's first line
         import_s = time.perf_counter() - t
-        backend = cls(api.start_engine(dict(
+        return cls(api.start_engine(dict(
             model=model_path,
             load_format=cfg.load_format,
             dtype=cfg.dtype,
@@ -47,9 +46,7 @@ class VllmBackend:
             # Stats feed vLLM's Prometheus metrics, served at the OpenAI server's /metrics; nothing
             # calls do_log_stats, so they are never printed.
             disable_log_stats=not cfg.openai_api,
-        )), model_path)
-        backend.import_s = import_s
-        return backend
+        )), model_path, import_s)
 
     def start_report(self) -> dict[str, Any]:
         return {"vllm_version": api.vllm_version(), "kv_block_size": api.kv_block_size(self.engine),
